@@ -1,0 +1,45 @@
+"""Where the bytes live: weight-file discovery, header index, and readers.
+
+Everything here except the readers works from file names and headers only; no tensor data is read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Mapping
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """One checkpoint tensor, described by its header entry.
+
+    ``offset`` is the absolute byte offset of the first element in ``file`` and ``nbytes`` the
+    size of its data, so a reader can ``pread`` any row-major sub-box without parsing again.
+    """
+
+    name: str
+    file: Path
+    dtype: str  # safetensors code, e.g. "BF16"
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """All tensors of a checkpoint directory, from headers only."""
+
+    directory: Path
+    load_format: str  # resolved load format: "hf", "safetensors", "mistral" or "pt"
+    files: tuple[Path, ...]  # weight files in load order (natural sort)
+    tensors: Mapping[str, TensorInfo]
+    index_file: Path | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tensors", MappingProxyType(dict(self.tensors)))
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
