@@ -1,0 +1,59 @@
+"""The public entry points: ``plan`` and ``load``. Each is a thin composition of pure stages."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .checkpoint.discover import discover
+from .checkpoint.index import index_checkpoint
+from .config import model_dtype, read_config
+from .execute import execute
+from .layout import Parallel, build_layout
+from .plan import Plan, make_plan
+from .spec import ArchSpec, spec_for_config
+
+
+def plan(
+    model_dir: str | os.PathLike,
+    *,
+    tp_size: int = 1,
+    rank: int = 0,
+    dtype: Any = None,
+    load_format: str = "auto",
+    spec: ArchSpec | None = None,
+) -> Plan:
+    """The validated load plan of one rank, from ``config.json`` and the weight-file headers only.
+
+    Raises a :class:`~functional_load.LoadError` subclass listing every problem found.
+    ``spec`` overrides the architecture spec picked from ``config.json``.
+    """
+    config = read_config(model_dir)
+    checkpoint = index_checkpoint(discover(model_dir, load_format))
+    arch = spec or spec_for_config(config)
+    layout = build_layout(config, arch, Parallel(tp_size, rank), model_dtype(config, checkpoint, dtype))
+    return make_plan(layout, checkpoint)
+
+
+def load(
+    model_dir: str | os.PathLike,
+    *,
+    tp_size: int = 1,
+    rank: int = 0,
+    dtype: Any = None,
+    device: Any = "cpu",
+    load_format: str = "auto",
+    spec: ArchSpec | None = None,
+    progress: bool | None = None,
+) -> dict[str, Any]:
+    """The rank-local parameters of ``rank`` out of ``tp_size``, with vLLM names and layouts.
+
+    ``dtype=None`` keeps the config's dtype; otherwise tensors are cast. Only the bytes this rank
+    keeps are read. Tied aliases (``lm_head.weight``) are the same tensor as their target.
+    """
+    the_plan = plan(model_dir, tp_size=tp_size, rank=rank, dtype=dtype, load_format=load_format, spec=spec)
+    state = execute(the_plan, progress=progress)
+    if str(device) != "cpu":
+        moved: dict[int, Any] = {}
+        state = {name: moved.setdefault(id(t), t.to(device)) for name, t in state.items()}
+    return state

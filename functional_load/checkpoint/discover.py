@@ -1,0 +1,159 @@
+"""Which weight files a local checkpoint directory holds, with vLLM's ``_prepare_weights`` rules.
+
+Pure file-name logic: nothing here reads tensor data, and nothing touches the network or the hub.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from functional_load.errors import CheckpointError, ConfigError, MissingFileError
+
+LOAD_FORMATS = ("auto", "hf", "safetensors", "mistral", "pt")
+
+# Resolved format -> glob patterns, tried in order; the first that yields files wins (vLLM 1.2 step 4/7).
+PATTERNS: dict[str, tuple[str, ...]] = {
+    "hf": ("*.safetensors", "*.bin", "*.pt"),
+    "safetensors": ("*.safetensors",),
+    "mistral": ("consolidated*.safetensors",),
+    "pt": ("*.pt",),
+}
+
+HF_INDEX = "model.safetensors.index.json"
+MISTRAL_INDEX = "consolidated.safetensors.index.json"
+
+# Pickles saved by trainers next to the model; never weights (vLLM filter_files_not_needed_for_inference).
+TRAINING_FILE_SUFFIXES = ("training_args.bin", "optimizer.bin", "optimizer.pt", "scheduler.pt", "scaler.pt")
+
+
+@dataclass(frozen=True, slots=True)
+class WeightFiles:
+    """The weight files to load and, for sharded safetensors, the index that maps tensors to them."""
+
+    directory: Path
+    load_format: str  # resolved: "hf", "safetensors", "mistral" or "pt"
+    kind: str  # "safetensors" or "pickle"
+    files: tuple[Path, ...]  # natural-sorted by basename
+    index_file: Path | None
+    weight_map: Mapping[str, str] | None  # tensor name -> shard basename, from index_file
+
+
+def natural_sort_key(name: str) -> tuple[str | int, ...]:
+    """Sort key that orders digit runs numerically (``model-2`` before ``model-10``), as vLLM does."""
+    return tuple(int(part) if i % 2 else part for i, part in enumerate(re.split(r"(\d+)", name)))
+
+
+def strict_json_loads(text: str | bytes, what: str) -> Any:
+    """``json.loads`` that rejects duplicate keys and NaN/Infinity, which plain json silently accepts.
+
+    Raises ``CheckpointError`` naming ``what`` (the file) on any problem.
+    """
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in items:
+            if key in out:
+                raise CheckpointError(f"{what}: duplicate JSON key {key!r}; each key must appear once")
+            out[key] = value
+        return out
+
+    def constant(name: str) -> Any:
+        raise CheckpointError(f"{what}: JSON constant {name} is not allowed (strict JSON only)")
+
+    try:
+        return json.loads(text, object_pairs_hook=pairs, parse_constant=constant)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{what}: invalid JSON ({exc})") from exc
+
+
+def _resolve_format(directory: Path, load_format: str) -> str:
+    if not isinstance(load_format, str) or load_format.lower() not in LOAD_FORMATS:
+        raise ConfigError(f"Unknown load_format {load_format!r}; use one of {', '.join(LOAD_FORMATS)}")
+    fmt = load_format.lower()
+    if fmt == "auto":
+        return "mistral" if _glob(directory, "consolidated*.safetensors") else "hf"
+    return fmt
+
+
+def _glob(directory: Path, pattern: str) -> list[Path]:
+    """Regular files (symlinks followed) matching ``pattern``; directories are skipped, other kinds rejected."""
+    found = []
+    for text in glob.glob(os.path.join(glob.escape(str(directory)), pattern)):
+        path = Path(text)
+        try:
+            mode = os.stat(path).st_mode
+        except FileNotFoundError as exc:
+            raise MissingFileError(f"Weight file {str(path)!r} is a broken symlink; fix or remove it") from exc
+        if stat.S_ISDIR(mode):
+            continue
+        if not stat.S_ISREG(mode):
+            raise CheckpointError(
+                f"Weight file {str(path)!r} is not a regular file (a FIFO, socket or device); "
+                "replace it with the real file"
+            )
+        found.append(path)
+    return found
+
+
+def _read_weight_map(index_file: Path) -> dict[str, str]:
+    what = str(index_file)
+    data = strict_json_loads(index_file.read_bytes(), what)
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{what}: expected a JSON object with a non-empty 'weight_map' object, found {data!r:.200}")
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str):
+            raise CheckpointError(f"{what}: weight_map[{name!r}] must be a file name string, found {shard!r}")
+        if not shard or os.path.isabs(shard) or "/" in shard or "\\" in shard or ".." in shard:
+            raise CheckpointError(
+                f"{what}: weight_map[{name!r}] = {shard!r} must be a plain file name in the checkpoint "
+                "directory (no path separators, '..' or absolute paths)"
+            )
+    return weight_map
+
+
+def discover(model_dir: str | os.PathLike, load_format: str = "auto") -> WeightFiles:
+    """The weight files vLLM would load from local ``model_dir`` for ``load_format``.
+
+    The first pattern that yields files wins (safetensors > bin > pt); a safetensors index, when
+    present, restricts the files to those it names; trainer pickles are dropped.
+    """
+    directory = Path(model_dir)
+    if not directory.is_dir():
+        raise MissingFileError(f"Checkpoint directory {str(directory)!r} does not exist or is not a directory")
+    fmt = _resolve_format(directory, load_format)
+    patterns = PATTERNS[fmt]
+    for pattern in patterns:
+        files = [p for p in _glob(directory, pattern) if not p.name.endswith(TRAINING_FILE_SUFFIXES)]
+        if files:
+            break
+    else:
+        raise CheckpointError(
+            f"Cannot find any model weights in {str(directory)!r} (looked for {list(patterns)} with "
+            f"load_format={fmt!r}). Point at the directory that holds the weight files, or pick another load_format."
+        )
+    files.sort(key=lambda p: natural_sort_key(p.name))
+    if not pattern.endswith(".safetensors"):
+        return WeightFiles(directory, fmt, "pickle", tuple(files), None, None)
+
+    index_file = directory / (MISTRAL_INDEX if fmt == "mistral" else HF_INDEX)
+    if not index_file.is_file():
+        return WeightFiles(directory, fmt, "safetensors", tuple(files), None, None)
+    weight_map = _read_weight_map(index_file)
+    named = set(weight_map.values())
+    missing = sorted(named - {p.name for p in files}, key=natural_sort_key)
+    if missing:
+        raise MissingFileError(
+            f"Weight files referenced in index {str(index_file)!r} but missing from {str(directory)!r} "
+            f"(as {pattern!r}): {missing}. Download the missing shards or fix the index."
+        )
+    kept = tuple(p for p in files if p.name in named)
+    return WeightFiles(directory, fmt, "safetensors", kept, index_file, MappingProxyType(dict(weight_map)))

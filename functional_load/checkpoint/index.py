@@ -1,0 +1,141 @@
+"""Safetensors headers -> :class:`TensorInfo`, validated, without reading any tensor data.
+
+Headers are read with ``os.pread`` of exactly the header bytes (never mmap, never the safetensors
+library) so indexing a multi-terabyte checkpoint costs a few kilobytes of I/O per shard, and every
+offset a reader will later ``pread`` has been checked against the file size here, once.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from functional_load.checkpoint import Checkpoint, TensorInfo
+from functional_load.checkpoint.discover import WeightFiles, strict_json_loads
+from functional_load.dtypes import SAFETENSORS_DTYPES, itemsize
+from functional_load.errors import CheckpointError
+
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # same cap as the safetensors library
+
+
+def _pread_exact(fd: int, size: int, offset: int) -> bytes:
+    chunks, done = [], 0
+    while done < size:
+        chunk = os.pread(fd, size - done, offset + done)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        done += len(chunk)
+    return b"".join(chunks)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _parse_entry(path: Path, name: str, entry: Any, data_start: int, file_size: int) -> TensorInfo:
+    where = f"{path}: tensor {name!r}"
+    if not isinstance(entry, dict):
+        raise CheckpointError(f"{where}: expected an object with dtype/shape/data_offsets, found {entry!r:.200}")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in SAFETENSORS_DTYPES:
+        raise CheckpointError(f"{where}: dtype {dtype!r} is not one of {sorted(SAFETENSORS_DTYPES)}")
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise CheckpointError(f"{where}: shape must be a list of non-negative integers, found {shape!r}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)):
+        raise CheckpointError(f"{where}: data_offsets must be [begin, end] integers, found {offsets!r}")
+    begin, end = offsets
+    if not 0 <= begin <= end:
+        raise CheckpointError(f"{where}: data_offsets [{begin}, {end}] must satisfy 0 <= begin <= end")
+    expected = math.prod(shape) * itemsize(dtype)
+    if end - begin != expected:
+        raise CheckpointError(
+            f"{where}: data_offsets [{begin}, {end}] span {end - begin} bytes but {dtype} shape {shape} "
+            f"needs {expected} bytes"
+        )
+    if data_start + end > file_size:
+        raise CheckpointError(
+            f"{where}: data ends at byte {data_start + end} but the file has only {file_size} bytes "
+            "(truncated file? re-download it)"
+        )
+    return TensorInfo(name, path, dtype, tuple(shape), data_start + begin, end - begin)
+
+
+def read_header(path: Path) -> dict[str, TensorInfo]:
+    """Every tensor of one safetensors file, in data-offset order, validated against the file size."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        file_size = os.fstat(f.fileno()).st_size
+        prefix = _pread_exact(f.fileno(), 8, 0)
+        if len(prefix) < 8:
+            raise CheckpointError(f"{path}: expected an 8-byte header length, but the file has {file_size} bytes")
+        n = int.from_bytes(prefix, "little")
+        if n > MAX_HEADER_BYTES:
+            raise CheckpointError(f"{path}: header length {n} exceeds the cap of {MAX_HEADER_BYTES} bytes")
+        if 8 + n > file_size:
+            raise CheckpointError(
+                f"{path}: header length {n} needs {8 + n} bytes but the file has {file_size} "
+                "(not a safetensors file, or truncated)"
+            )
+        raw = _pread_exact(f.fileno(), n, 8)
+    if len(raw) != n:  # the file shrank while we read it
+        raise CheckpointError(f"{path}: expected {n} header bytes, read {len(raw)}")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{path}: header is not valid UTF-8 ({exc})") from exc
+    header = strict_json_loads(text, f"{path}: header")
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: header must be a JSON object, found {type(header).__name__}")
+    metadata = header.pop("__metadata__", None)
+    if metadata is not None and not (
+        isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
+    ):
+        raise CheckpointError(f"{path}: __metadata__ must be an object of string values, found {metadata!r:.200}")
+
+    data_start = 8 + n
+    infos = [_parse_entry(path, name, entry, data_start, file_size) for name, entry in header.items()]
+    infos.sort(key=lambda t: (t.offset, t.name))
+    previous: TensorInfo | None = None
+    for info in infos:
+        if info.nbytes == 0:  # an empty range overlaps nothing
+            continue
+        if previous is not None and info.offset < previous.offset + previous.nbytes:
+            raise CheckpointError(
+                f"{path}: tensor {info.name!r} data [{info.offset - data_start}, "
+                f"{info.offset - data_start + info.nbytes}] overlaps tensor {previous.name!r} data "
+                f"[{previous.offset - data_start}, {previous.offset - data_start + previous.nbytes}]"
+            )
+        previous = info
+    return {info.name: info for info in infos}
+
+
+def index_checkpoint(files: WeightFiles) -> Checkpoint:
+    """All tensors of the discovered files, from headers only; the safetensors index decides duplicates."""
+    if files.kind != "safetensors":
+        raise CheckpointError(f"{files.directory}: .bin/.pt pickles have no header to index; they are loaded elsewhere")
+    headers = {path.name: read_header(path) for path in files.files}
+    tensors: dict[str, TensorInfo] = {}
+    if files.weight_map is not None:
+        for name, shard in files.weight_map.items():
+            if name not in headers[shard]:
+                raise CheckpointError(
+                    f"Tensor {name!r} is listed in index {str(files.index_file)!r} under shard {shard!r}, "
+                    f"but {shard!r} has no such tensor. Fix the index or re-download the shard."
+                )
+        for path in files.files:
+            for name, info in headers[path.name].items():
+                if files.weight_map.get(name) == path.name:
+                    tensors[name] = info
+    else:
+        for path in files.files:
+            for name, info in headers[path.name].items():
+                if name in tensors:
+                    raise CheckpointError(
+                        f"Tensor {name!r} appears in both {str(tensors[name].file)!r} and {str(path)!r} "
+                        "and there is no index file to choose; remove the duplicate file or add an index."
+                    )
+                tensors[name] = info
+    return Checkpoint(files.directory, files.load_format, files.files, tensors, files.index_file)

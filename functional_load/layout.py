@@ -1,0 +1,231 @@
+"""The layout: every destination parameter of one rank, from config + spec + parallel settings.
+
+This is the "shell" of the model: names, global and rank-local shapes, dtypes and slice
+descriptors, with no memory allocated. It is a pure function of its inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from .errors import ConfigError, ShardingError
+from .mapping import ROTARY_CACHES, MappingTable
+from .sharding import (
+    Replicated,
+    Segment,
+    Sharding,
+    Split,
+    VocabSplit,
+    split_local_rows,
+    split_pieces,
+    vocab_shard,
+)
+from .spec import ArchSpec, ModuleSpec, evaluate
+
+
+@dataclass(frozen=True, slots=True)
+class Parallel:
+    """Which rank of how many. Explicit, never read from the environment."""
+
+    tp_size: int = 1
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tp_size, int) or self.tp_size < 1:
+            raise ShardingError(f"tp_size must be a positive integer, got {self.tp_size!r}")
+        if not isinstance(self.rank, int) or not 0 <= self.rank < self.tp_size:
+            raise ShardingError(f"rank must be in [0, {self.tp_size}) for tp_size={self.tp_size}, got {self.rank!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class ParamSpec:
+    """One destination parameter on one rank.
+
+    ``shape`` is the global shape in the orientation of the destination (``[out, in]`` for
+    linear weights), unpadded and unreplicated, i.e. what the checkpoint holds; ``local_shape``
+    is what this rank allocates. ``transposed`` marks a 2-D weight that the checkpoint stores as
+    ``[in, out]`` (GPT-2 ``Conv1D``) and that is transposed on load.
+    """
+
+    name: str
+    module: str
+    shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    dtype: str
+    sharding: Sharding
+    transposed: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    arch: str
+    parallel: Parallel
+    dtype: str
+    params: Mapping[str, ParamSpec]
+    mapping: tuple[MappingTable, ...]
+    aliases: Mapping[str, str]  # tied alias -> canonical parameter
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
+        object.__setattr__(self, "aliases", MappingProxyType(dict(self.aliases)))
+
+
+class _Scope(Mapping[str, Any]):
+    """Name lookup for spec expressions: ``layer``, then dims (evaluated lazily), then config keys."""
+
+    def __init__(self, config: Mapping[str, Any], dims: Mapping[str, str], layer: int | None = None):
+        self._config, self._dims, self._layer = config, dims, layer
+        self._cache: dict[str, Any] = {}
+        self._busy: set[str] = set()
+
+    def with_layer(self, layer: int) -> _Scope:
+        scope = _Scope(self._config, self._dims, layer)
+        scope._cache = self._cache
+        return scope
+
+    def __getitem__(self, name: str) -> Any:
+        if name == "layer":
+            return self._layer
+        if name in self._dims and name not in self._busy:  # inside its own expression a dim means the config key
+            if name not in self._cache:
+                self._busy.add(name)
+                try:
+                    self._cache[name] = evaluate(self._dims[name], self)
+                finally:
+                    self._busy.discard(name)
+            return self._cache[name]
+        return self._config.get(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._dims)
+
+    def __len__(self) -> int:
+        return len(self._dims)
+
+    def int(self, expr: Any, what: str) -> int:
+        value = evaluate(expr, self)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"{what} = {expr!r} evaluated to {value!r}; expected a non-negative integer from config.json")
+        return value
+
+
+def _linear(module: ModuleSpec, scope: _Scope) -> list[tuple[str, tuple[int, ...], Sharding]]:
+    f = module.fields
+    in_size = scope.int(f["in"], f"{module.pattern}.in")
+    kind = module.kind
+    if kind == "qkv":
+        head_dim = scope.int(f["head_dim"], f"{module.pattern}.head_dim")
+        v_head_dim = scope.int(f.get("v_head_dim", f["head_dim"]), f"{module.pattern}.v_head_dim")
+        kv_heads = scope.int(f["kv_heads"], f"{module.pattern}.kv_heads")
+        segments: tuple[Segment, ...] = (
+            Segment("q", scope.int(f["heads"], f"{module.pattern}.heads"), head_dim, label="attention heads"),
+            Segment("k", kv_heads, head_dim, replicate=True, label="KV heads"),
+            Segment("v", kv_heads, v_head_dim, replicate=True, label="KV heads"),
+        )
+    elif kind == "merged":
+        segments = tuple(
+            Segment(i, scope.int(out, f"{module.pattern}.outs[{i}]"), label="output rows")
+            for i, out in enumerate(f["outs"])
+        )
+    else:
+        out_size = scope.int(f["out"], f"{module.pattern}.out")
+        segments = (Segment(0, out_size, label="output rows"),)
+    out_rows = sum(s.rows for s in segments)
+    has_bias = bool(evaluate(f.get("bias", False), scope))
+    if kind == "row":
+        weight: Sharding = Split(1, (Segment(0, in_size, label="input columns"),))
+        bias: Sharding = Replicated()
+    elif kind == "replicated_linear":
+        weight = bias = Replicated()
+    else:
+        weight = bias = Split(0, segments)
+    params = [("weight", (out_rows, in_size), weight)]
+    if has_bias:
+        params.append(("bias", (out_rows,), bias))
+    return params
+
+
+def _module_params(module: ModuleSpec, scope: _Scope) -> list[tuple[str, tuple[int, ...], Sharding]]:
+    f = module.fields
+    if module.kind == "vocab":
+        size = scope.int(f["size"], f"{module.pattern}.size")
+        dim = scope.int(f["dim"], f"{module.pattern}.dim")
+        return [("weight", (size, dim), VocabSplit(size, int(f.get("padding", 64))))]
+    if module.kind == "replicated":
+        return [
+            (name, tuple(scope.int(d, f"{module.pattern}.{name}") for d in shape), Replicated())
+            for name, shape in f["params"].items()
+        ]
+    return _linear(module, scope)
+
+
+def local_shape(shape: tuple[int, ...], sharding: Sharding, parallel: Parallel) -> tuple[int, ...]:
+    """The rank-local shape of a parameter; raises ShardingError when it does not divide."""
+    if isinstance(sharding, Split):
+        split_pieces(sharding, parallel.tp_size, parallel.rank)  # validates every segment
+        rows = split_local_rows(sharding, parallel.tp_size)
+        return shape[: sharding.dim] + (rows,) + shape[sharding.dim + 1 :]
+    if isinstance(sharding, VocabSplit):
+        shard = vocab_shard(sharding.vocab, parallel.tp_size, parallel.rank, padding=sharding.padding)
+        return (shard.per_partition,) + shape[1:]
+    return shape
+
+
+def _instances(spec: ArchSpec, scope: _Scope, num_layers: int) -> Iterator[tuple[ModuleSpec, str, _Scope]]:
+    """Module instances in model order: each run of consecutive ``{layer}`` modules in the spec
+    is expanded layer-major (all of layer 0, then layer 1...); ``when`` filters instances."""
+    runs: list[list[ModuleSpec]] = []
+    for module in spec.modules:
+        per_layer = "{layer}" in module.pattern
+        if runs and per_layer and "{layer}" in runs[-1][0].pattern:
+            runs[-1].append(module)
+        else:
+            runs.append([module])
+    for run in runs:
+        layers = range(num_layers) if "{layer}" in run[0].pattern else [None]
+        for layer in layers:
+            layer_scope = scope.with_layer(layer) if layer is not None else scope
+            for module in run:
+                if "when" in module.fields and not evaluate(module.fields["when"], layer_scope):
+                    continue
+                yield module, module.pattern.replace("{layer}", str(layer)), layer_scope
+
+
+def build_layout(config: Mapping[str, Any], spec: ArchSpec, parallel: Parallel, dtype: str) -> Layout:
+    """Every parameter of ``parallel.rank``. Divisibility problems of all modules are collected
+    and raised together as one :class:`ShardingError`."""
+    scope = _Scope(config, spec.dims)
+    num_layers = scope.int(spec.layers, f"{spec.name}.layers")
+    params: dict[str, ParamSpec] = {}
+    problems: list[str] = []
+    failed: set[str] = set()
+    for module, name, module_scope in _instances(spec, scope, num_layers):
+        if module.pattern in failed:
+            continue
+        transposed = bool(module.fields.get("transposed", False))
+        try:
+            for suffix, shape, sharding in _module_params(module, module_scope):
+                full = f"{name}.{suffix}"
+                params[full] = ParamSpec(
+                    name=full,
+                    module=name,
+                    shape=shape,
+                    local_shape=local_shape(shape, sharding, parallel),
+                    dtype=dtype,
+                    sharding=sharding,
+                    transposed=transposed and len(shape) == 2,
+                )
+        except ShardingError as exc:
+            failed.add(module.pattern)
+            problems.append(f"{module.pattern}: {exc}")
+    if problems:
+        head = f"{spec.name} does not shard over tp_size={parallel.tp_size}:"
+        raise ShardingError("\n".join([head, *(f"  - {p}" for p in problems)]))
+    aliases = {}
+    if spec.tie is not None and evaluate(spec.tie.when, scope):
+        params.pop(spec.tie.alias, None)
+        aliases[spec.tie.alias] = spec.tie.target
+    return Layout(spec.name, parallel, dtype, params, (ROTARY_CACHES, *spec.stages), aliases)

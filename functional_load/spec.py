@@ -1,0 +1,211 @@
+"""Architecture specs: the per-architecture facts, read from ``specs/<arch>.toml``.
+
+A spec names the config keys that give each dimension (as small expressions), the modules of
+the model with their parallel kind, the tied-embedding rule, and the name-mapping stages. Adding
+an architecture means adding a TOML file; no Python changes.
+
+Expressions are a tiny, safe subset of Python over config keys and earlier dims: names, numbers,
+``+ - * // %``, comparisons, ``and``/``or``/``not`` and ``x if c else y``. A missing config key is
+``None``, so ``"num_key_value_heads or num_attention_heads"`` is a fallback.
+"""
+
+from __future__ import annotations
+
+import ast
+import operator
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from .errors import ConfigError
+from .mapping import RULE_KINDS, MappingTable, Rule
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+MODULE_KINDS = ("vocab", "column", "merged", "qkv", "row", "replicated_linear", "replicated")
+
+_BINOPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+}
+_CMPOPS = {
+    ast.Eq: operator.eq,
+    ast.NotEq: operator.ne,
+    ast.Lt: operator.lt,
+    ast.LtE: operator.le,
+    ast.Gt: operator.gt,
+    ast.GtE: operator.ge,
+}
+
+
+def evaluate(expr: str | int | float | bool, lookup: Mapping[str, Any] | Any) -> Any:
+    """Evaluate a spec expression; ``lookup[name]`` gives a value or ``None`` when absent."""
+    if not isinstance(expr, str):
+        return expr
+    try:
+        tree = ast.parse(expr, mode="eval")
+    except SyntaxError as exc:
+        raise ConfigError(f"invalid spec expression {expr!r}: {exc.msg}") from None
+
+    def ev(node: ast.AST) -> Any:
+        if isinstance(node, ast.Expression):
+            return ev(node.body)
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float, bool, str)):
+            return node.value
+        if isinstance(node, ast.Name):
+            return lookup[node.id]
+        if isinstance(node, ast.BoolOp):
+            values = (ev(v) for v in node.values)
+            if isinstance(node.op, ast.Or):
+                result = None
+                for result in values:
+                    if result:
+                        return result
+                return result
+            result = True
+            for result in values:
+                if not result:
+                    return result
+            return result
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.Not, ast.USub)):
+            value = ev(node.operand)
+            return (not value) if isinstance(node.op, ast.Not) else -_number(value, node.operand)
+        if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
+            return _BINOPS[type(node.op)](_number(ev(node.left), node.left), _number(ev(node.right), node.right))
+        if isinstance(node, ast.Compare) and len(node.ops) == 1 and type(node.ops[0]) in _CMPOPS:
+            return _CMPOPS[type(node.ops[0])](ev(node.left), ev(node.comparators[0]))
+        if isinstance(node, ast.IfExp):
+            return ev(node.body) if ev(node.test) else ev(node.orelse)
+        raise ConfigError(f"unsupported construct {ast.dump(node)[:60]} in spec expression {expr!r}")
+
+    def _number(value: Any, node: ast.AST) -> Any:
+        if value is None:
+            raise ConfigError(f"config.json has no {ast.unparse(node)!r}, needed by spec expression {expr!r}")
+        return value
+
+    return ev(tree)
+
+
+@dataclass(frozen=True, slots=True)
+class ModuleSpec:
+    """One module pattern of an architecture (``{layer}`` expands over the decoder layers)."""
+
+    pattern: str
+    kind: str
+    fields: Mapping[str, Any]  # kind-specific expressions: in, out, outs, heads, size, params...
+
+    def __post_init__(self) -> None:
+        if self.kind not in MODULE_KINDS:
+            raise ConfigError(f"module {self.pattern!r}: unknown kind {self.kind!r}; expected one of {MODULE_KINDS}")
+        object.__setattr__(self, "fields", MappingProxyType(dict(self.fields)))
+
+
+@dataclass(frozen=True, slots=True)
+class TieSpec:
+    """``alias`` is the same tensor as ``target`` when ``when`` holds (tied word embeddings)."""
+
+    alias: str
+    target: str
+    when: str
+
+
+@dataclass(frozen=True, slots=True)
+class ArchSpec:
+    name: str
+    architectures: tuple[str, ...]
+    layers: str
+    dims: Mapping[str, str]
+    modules: tuple[ModuleSpec, ...]
+    stages: tuple[MappingTable, ...]
+    tie: TieSpec | None = None
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dims", MappingProxyType(dict(self.dims)))
+
+
+def _table(stage: Mapping[str, Any], where: str) -> MappingTable:
+    rules = []
+    for kind, entries in stage.items():
+        if kind not in RULE_KINDS:
+            raise ConfigError(f"{where}: unknown mapping rule kind {kind!r}; expected one of {RULE_KINDS}")
+        for pattern, value in entries.items():
+            if kind == "stacked":
+                new, ids = value
+                rules.append(Rule(kind, pattern, new, tuple(ids) if isinstance(ids, list) else (ids,)))
+            else:
+                rules.append(Rule(kind, pattern, None if value is False else value))
+    return MappingTable(tuple(rules))
+
+
+def parse_spec(data: Mapping[str, Any], source: str = "<spec>") -> ArchSpec:
+    """Build an :class:`ArchSpec` from parsed TOML, checking every field."""
+    known = {"name", "architectures", "layers", "dims", "modules", "stages", "tie"}
+    unknown = set(data) - known
+    if unknown:
+        raise ConfigError(f"{source}: unknown top-level keys {sorted(unknown)}; expected {sorted(known)}")
+    try:
+        modules = tuple(
+            ModuleSpec(pattern, fields["kind"], {k: v for k, v in fields.items() if k != "kind"})
+            for pattern, fields in data["modules"].items()
+        )
+        tie = TieSpec(**data["tie"]) if "tie" in data else None
+        return ArchSpec(
+            name=data["name"],
+            architectures=tuple(data.get("architectures", ())),
+            layers=data["layers"],
+            dims=data.get("dims", {}),
+            modules=modules,
+            stages=tuple(_table(stage, f"{source} stage {i}") for i, stage in enumerate(data.get("stages", []))),
+            tie=tie,
+            source=source,
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"{source}: malformed architecture spec: {exc!r}") from None
+
+
+def load_spec(path: str | Path) -> ArchSpec:
+    """Read one spec file."""
+    path = Path(path)
+    with path.open("rb") as f:
+        return parse_spec(tomllib.load(f), source=str(path))
+
+
+def builtin_specs() -> dict[str, ArchSpec]:
+    """The specs shipped in ``specs/``, by name."""
+    specs = {}
+    for entry in resources.files("functional_load.specs").iterdir():
+        if entry.name.endswith(".toml"):
+            spec = parse_spec(tomllib.loads(entry.read_text()), source=f"specs/{entry.name}")
+            specs[spec.name] = spec
+    return specs
+
+
+def spec_for_config(config: Mapping[str, Any], specs: Mapping[str, ArchSpec] | None = None) -> ArchSpec:
+    """The spec whose ``architectures`` lists the config's first architecture (or its model_type)."""
+    specs = builtin_specs() if specs is None else specs
+    wanted = list(config.get("architectures") or [])
+    for arch in wanted:
+        for spec in specs.values():
+            if arch in spec.architectures:
+                return spec
+    model_type = config.get("model_type")
+    if model_type in specs:
+        return specs[model_type]
+    supported = sorted(a for s in specs.values() for a in s.architectures)
+    raise ConfigError(
+        f"no architecture spec for architectures={wanted} (model_type={model_type!r}); supported: {supported}. "
+        f"Add a specs/<arch>.toml for it (see docs/design.md)"
+    )

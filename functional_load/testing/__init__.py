@@ -1,0 +1,1 @@
+"""Test and notebook helpers: tiny, real transformers checkpoints built on disk from configs."""

@@ -1,0 +1,578 @@
+"""Tiny, real transformers checkpoints on disk, for tests and notebooks.
+
+Each builder makes a transformers config with tiny sizes, instantiates the real model class from
+it (never a hub download), fills every saved tensor with seeded random values, casts to the
+requested dtype and calls ``save_pretrained`` with a small ``max_shard_size``, so the directory
+holds several ``model-0000i-of-0000n.safetensors`` shards, ``model.safetensors.index.json``,
+``config.json`` (dtype recorded under ``"dtype"``, the transformers 5 spelling) and
+``generation_config.json``.
+
+Tiny sizes (chosen so tensor-parallel sizes 1, 2, 4 and 8 divide every sharded dimension):
+hidden 64, 8 attention heads of head_dim 8, 8 KV heads by default (pass ``kv_heads=2`` for GQA,
+``kv_heads=1`` for MQA), intermediate 128, vocab 1000 (not a multiple of 64, so vocab padding
+is exercised), 2 layers. MoE: 8 routed experts, top-2, expert intermediate 32.
+
+On-disk tensor layouts (names per layer ``N``; shapes for the defaults, ``kv = kv_heads * 8``):
+
+* llama / mistral: ``model.layers.N.self_attn.{q,k,v,o}_proj.weight`` ``[64,64] [kv,64] [kv,64]
+  [64,64]``; ``mlp.{gate,up}_proj.weight`` ``[128,64]``, ``mlp.down_proj.weight`` ``[64,128]``;
+  ``input_layernorm.weight`` / ``post_attention_layernorm.weight`` ``[64]``; plus
+  ``model.embed_tokens.weight`` ``[1000,64]``, ``model.norm.weight`` ``[64]``,
+  ``lm_head.weight`` ``[1000,64]`` (absent when tied).
+* qwen2: as llama plus ``self_attn.{q,k,v}_proj.bias`` ``[64] [kv] [kv]`` (no o_proj bias).
+* qwen3: as llama plus ``self_attn.q_norm.weight`` / ``k_norm.weight`` ``[8]`` (per head_dim).
+* phi3: fused on disk: ``self_attn.qkv_proj.weight`` ``[64 + 2*kv, 64]`` (rows q, then k, then
+  v) and ``mlp.gate_up_proj.weight`` ``[256, 64]`` (rows gate, then up); ``o_proj``/``down_proj``
+  as llama.
+* gpt2: ``transformer.h.N.attn.c_attn.{weight,bias}`` ``[64,192] [192]`` (Conv1D, so weights are
+  ``[in, out]``; columns q, k, v), ``attn.c_proj`` ``[64,64] [64]``, ``mlp.c_fc`` ``[64,256]
+  [256]``, ``mlp.c_proj`` ``[256,64] [64]``, ``ln_1``/``ln_2`` weight and bias ``[64]``; plus
+  ``transformer.wte.weight`` ``[1000,64]``, ``transformer.wpe.weight`` ``[64,64]``,
+  ``transformer.ln_f.{weight,bias}``; the LM head is tied to ``wte`` and not saved.
+* mixtral (per-expert, the default): ``block_sparse_moe.experts.E.w1.weight`` (gate) and
+  ``w3.weight`` (up) ``[32,64]``, ``w2.weight`` (down) ``[64,32]``, router
+  ``block_sparse_moe.gate.weight`` ``[8,64]``; attention as llama.
+* qwen3_moe (per-expert): ``mlp.experts.E.{gate,up}_proj.weight`` ``[32,64]``,
+  ``mlp.experts.E.down_proj.weight`` ``[64,32]``, router ``mlp.gate.weight`` ``[8,64]``;
+  attention as qwen3. Every layer is sparse.
+* deepseek_v3: MLA attention ``self_attn.q_a_proj.weight`` ``[32,64]``,
+  ``q_a_layernorm.weight`` ``[32]``, ``q_b_proj.weight`` ``[8*(8+8)=128, 32]``,
+  ``kv_a_proj_with_mqa.weight`` ``[32+8=40, 64]``, ``kv_a_layernorm.weight`` ``[32]``,
+  ``kv_b_proj.weight`` ``[8*(8+8)=128, 32]``, ``o_proj.weight`` ``[64, 8*8]``. Layer 0 is dense
+  (``mlp.{gate,up,down}_proj`` with intermediate 128); later layers have per-expert
+  ``mlp.experts.E.{gate,up,down}_proj.weight`` as qwen3_moe, ``mlp.shared_experts.{gate,up}_proj
+  .weight`` ``[32,64]`` / ``down_proj.weight`` ``[64,32]``, router ``mlp.gate.weight`` ``[8,64]``
+  and ``mlp.gate.e_score_correction_bias`` ``[8]`` (saved in the model dtype).
+
+Fused experts (``fused_experts=True``): transformers 5 holds routed experts in memory as 3-D
+tensors but ``save_pretrained`` writes them back per expert (above). With ``fused_experts=True``
+the checkpoint is rewritten to the in-memory transformers 5 layout, i.e. exactly the keys of
+``model.state_dict()``: per MoE layer ``model.layers.N.mlp.experts.gate_up_proj`` of shape
+``[E, 2*I, H]`` (for each expert, rows ``[0, I)`` are the gate projection and rows ``[I, 2I)``
+the up projection, each an ``nn.Linear`` weight ``[out, in]``) and
+``model.layers.N.mlp.experts.down_proj`` of shape ``[E, H, I]`` (no ``.weight`` suffix). For
+mixtral the module is renamed as transformers 5 does: ``block_sparse_moe.`` becomes ``mlp.``
+(so the router is ``mlp.gate.weight``). transformers 5 ``from_pretrained`` loads either layout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Mapping
+
+import torch
+
+from functional_load.dtypes import canonical_dtype
+
+__all__ = [
+    "ARCHS",
+    "ArchSpec",
+    "MoeLayout",
+    "fuse_experts",
+    "list_tensors",
+    "read_checkpoint_tensors",
+    "unfuse_experts",
+    "write_checkpoint",
+    "write_shards",
+]
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class MoeLayout:
+    """Names of an architecture's routed experts on disk.
+
+    Per-expert: ``{layer}.{per_expert_prefix}.{e}.{gate|up|down}.weight``, each a 2-D
+    ``nn.Linear`` weight (gate/up ``[I, H]``, down ``[H, I]``).
+    Fused: ``{layer}.{fused_prefix}.gate_up_proj`` ``[E, 2I, H]`` (gate rows first, then up) and
+    ``{layer}.{fused_prefix}.down_proj`` ``[E, H, I]``; ``fused_renames`` are substring renames
+    applied to every other name of the checkpoint in the fused layout (and undone when unfusing).
+    """
+
+    per_expert_prefix: str
+    gate: str
+    up: str
+    down: str
+    fused_prefix: str = "mlp.experts"
+    fused_renames: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """How to build one tiny architecture: transformers class names and tiny config values.
+
+    ``layers_key``/``heads_key``/``kv_heads_key`` are the config.json keys that ``num_layers`` and
+    ``kv_heads`` set (``kv_heads_key`` is None where the architecture has no KV-head count).
+    """
+
+    config_class: str
+    model_class: str
+    config: Mapping[str, Any]
+    layers_key: str = "num_hidden_layers"
+    heads_key: str = "num_attention_heads"
+    kv_heads_key: str | None = "num_key_value_heads"
+    moe: MoeLayout | None = None
+    notes: str = ""
+
+
+_TOKENS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}  # defaults lie outside vocab 1000
+
+_LLAMA_LIKE = {
+    "hidden_size": 64,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "head_dim": 8,
+    "intermediate_size": 128,
+    "vocab_size": 1000,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
+    **_TOKENS,
+}
+_NO_HEAD_DIM = {k: v for k, v in _LLAMA_LIKE.items() if k != "head_dim"}  # derived as hidden/heads
+
+_QWEN_MOE_EXPERTS = MoeLayout("mlp.experts", "gate_proj", "up_proj", "down_proj")
+
+ARCHS: Mapping[str, ArchSpec] = MappingProxyType(
+    {
+        "llama": ArchSpec("LlamaConfig", "LlamaForCausalLM", MappingProxyType(dict(_LLAMA_LIKE))),
+        "mistral": ArchSpec("MistralConfig", "MistralForCausalLM", MappingProxyType(dict(_LLAMA_LIKE))),
+        "qwen2": ArchSpec(
+            "Qwen2Config", "Qwen2ForCausalLM", MappingProxyType(dict(_NO_HEAD_DIM)),
+            notes="q/k/v projections carry biases",
+        ),
+        "qwen3": ArchSpec(
+            "Qwen3Config", "Qwen3ForCausalLM", MappingProxyType(dict(_LLAMA_LIKE)),
+            notes="per-head q_norm/k_norm RMSNorm weights [head_dim]",
+        ),
+        "phi3": ArchSpec(
+            "Phi3Config", "Phi3ForCausalLM", MappingProxyType(dict(_NO_HEAD_DIM)),
+            notes="fused qkv_proj and gate_up_proj on disk",
+        ),
+        "gpt2": ArchSpec(
+            "GPT2Config",
+            "GPT2LMHeadModel",
+            MappingProxyType(
+                {
+                    "n_embd": 64,
+                    "n_head": 8,
+                    "n_layer": 2,
+                    "n_positions": 64,
+                    "vocab_size": 1000,
+                    "tie_word_embeddings": True,
+                    "bos_token_id": 1,
+                    "eos_token_id": 2,
+                }
+            ),
+            layers_key="n_layer",
+            heads_key="n_head",
+            kv_heads_key=None,
+            notes="Conv1D weights stored [in, out]; n_inner null means 4*n_embd=256; lm_head tied to wte",
+        ),
+        "mixtral": ArchSpec(
+            "MixtralConfig",
+            "MixtralForCausalLM",
+            MappingProxyType(
+                {**_LLAMA_LIKE, "intermediate_size": 32, "num_local_experts": 8, "num_experts_per_tok": 2}
+            ),
+            moe=MoeLayout(
+                "block_sparse_moe.experts", "w1", "w3", "w2",
+                fused_renames=((".block_sparse_moe.", ".mlp."),),
+            ),
+        ),
+        "qwen3_moe": ArchSpec(
+            "Qwen3MoeConfig",
+            "Qwen3MoeForCausalLM",
+            MappingProxyType(
+                {
+                    **_LLAMA_LIKE,
+                    "num_experts": 8,
+                    "num_experts_per_tok": 2,
+                    "moe_intermediate_size": 32,
+                    "decoder_sparse_step": 1,
+                    "mlp_only_layers": [],
+                    "norm_topk_prob": True,
+                }
+            ),
+            moe=_QWEN_MOE_EXPERTS,
+        ),
+        "deepseek_v3": ArchSpec(
+            "DeepseekV3Config",
+            "DeepseekV3ForCausalLM",
+            MappingProxyType(
+                {
+                    **_NO_HEAD_DIM,
+                    "head_dim": 8,  # = qk_rope_head_dim, as transformers derives it
+                    "n_routed_experts": 8,
+                    "num_experts_per_tok": 2,
+                    "moe_intermediate_size": 32,
+                    "n_shared_experts": 1,
+                    "first_k_dense_replace": 1,
+                    "n_group": 2,
+                    "topk_group": 1,
+                    "q_lora_rank": 32,
+                    "kv_lora_rank": 32,
+                    "qk_nope_head_dim": 8,
+                    "qk_rope_head_dim": 8,
+                    "v_head_dim": 8,
+                }
+            ),
+            moe=_QWEN_MOE_EXPERTS,
+            notes="MLA attention (num_key_value_heads is recorded but unused); layer 0 dense",
+        ),
+    }
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Building
+
+
+def write_checkpoint(
+    arch: str,
+    out_dir: str | os.PathLike[str],
+    *,
+    kv_heads: int | None = None,
+    tie_word_embeddings: bool | None = None,
+    num_layers: int = 2,
+    dtype: Any = "bfloat16",
+    max_shard_size: str | int = "100KB",
+    seed: int = 0,
+    fused_experts: bool = False,
+    **config_overrides: Any,
+) -> Path:
+    """Build a tiny random ``arch`` checkpoint in ``out_dir`` and return the directory.
+
+    ``kv_heads`` sets the KV-head count (default: as many as attention heads, i.e. MHA);
+    ``tie_word_embeddings`` overrides the architecture's default (False, except gpt2);
+    ``config_overrides`` are passed to the transformers config last, so they win. Every saved
+    tensor (parameters and persistent buffers, norm weights and biases included) is filled with
+    ``randn * 0.02`` from a generator seeded with ``seed``, then cast to ``dtype``; the same
+    arguments always give byte-identical tensors. ``max_shard_size`` follows transformers
+    (``"100KB"`` = 100,000 bytes). ``fused_experts`` (MoE only) rewrites the routed experts to
+    the 3-D layout described in the module docstring. Existing ``model*.safetensors`` files and
+    the index in ``out_dir`` are replaced; other files are left alone.
+    """
+    spec = _spec(arch)
+    dtype_name = canonical_dtype(dtype)
+    if dtype_name is None:
+        raise ValueError("write_checkpoint needs a concrete dtype, not None/'auto'")
+    if fused_experts and spec.moe is None:
+        raise ValueError(f"fused_experts=True needs a MoE architecture; {arch!r} has no experts")
+
+    import transformers
+
+    kwargs = dict(spec.config)
+    kwargs[spec.layers_key] = num_layers
+    if kv_heads is not None:
+        heads = kwargs[spec.heads_key]
+        if spec.kv_heads_key is None:
+            if kv_heads != heads:
+                raise ValueError(f"{arch!r} has no grouped-query attention; kv_heads must be {heads}")
+        else:
+            if kv_heads < 1 or heads % kv_heads:
+                raise ValueError(f"kv_heads={kv_heads} must divide the {heads} attention heads")
+            kwargs[spec.kv_heads_key] = kv_heads
+    if tie_word_embeddings is not None:
+        kwargs["tie_word_embeddings"] = tie_word_embeddings
+    kwargs.update(config_overrides)
+
+    config = getattr(transformers, spec.config_class)(**kwargs)
+    torch.manual_seed(seed)
+    model = getattr(transformers, spec.model_class)(config)
+    _randomize(model, seed)
+    model = model.to(getattr(torch, dtype_name))
+    model.config.dtype = getattr(torch, dtype_name)
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _remove_weight_files(out)
+    with _quiet_transformers():
+        model.save_pretrained(out, max_shard_size=max_shard_size)
+    _set_config_dtype(out / "config.json", dtype_name)
+
+    if spec.moe is not None:
+        tensors = read_checkpoint_tensors(out)
+        on_disk_fused = _has_fused(tensors, spec.moe)
+        if fused_experts and not on_disk_fused:
+            write_shards(out, fuse_experts(tensors, arch), max_shard_size)
+        elif not fused_experts and on_disk_fused:
+            write_shards(out, unfuse_experts(tensors, arch), max_shard_size)
+    return out
+
+
+def _spec(arch: str) -> ArchSpec:
+    try:
+        return ARCHS[arch]
+    except KeyError:
+        raise ValueError(f"unknown arch {arch!r}; known: {', '.join(ARCHS)}") from None
+
+
+@torch.no_grad()
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Fill every saved floating tensor with ``randn * 0.02`` (float32 draws, in module order)."""
+    gen = torch.Generator().manual_seed(seed)
+    saved = set(model.state_dict().keys())
+    tensors = list(model.named_parameters()) + [
+        (n, b) for n, b in model.named_buffers() if n in saved
+    ]
+    for _, t in tensors:
+        if t.is_floating_point():
+            t.copy_(torch.randn(t.shape, generator=gen, dtype=torch.float32) * 0.02)
+
+
+def _remove_weight_files(out: Path) -> None:
+    for p in out.iterdir():
+        if p.is_file() and (p.name == INDEX_NAME or (p.name.startswith("model") and p.suffix == ".safetensors")):
+            p.unlink()
+
+
+def _set_config_dtype(config_path: Path, dtype_name: str) -> None:
+    """Make config.json record ``dtype_name`` (transformers 5 writes ``dtype``; 4.x ``torch_dtype``)."""
+    cfg = json.loads(config_path.read_text())
+    keys = [k for k in ("dtype", "torch_dtype") if k in cfg] or ["dtype"]
+    if all(cfg.get(k) == dtype_name for k in keys):
+        return
+    for k in keys:
+        cfg[k] = dtype_name
+    config_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+class _quiet_transformers:
+    """Silence transformers' shard-writing progress bar for the duration; restore it after."""
+
+    def __enter__(self) -> None:
+        from transformers.utils import logging as hf_logging
+
+        self._logging = hf_logging
+        self._was_enabled = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._was_enabled:
+            self._logging.enable_progress_bar()
+
+
+# --------------------------------------------------------------------------------------------
+# Expert layout conversion
+
+
+def _layer_expert_re(moe: MoeLayout) -> re.Pattern[str]:
+    names = "|".join(re.escape(n) for n in (moe.gate, moe.up, moe.down))
+    return re.compile(
+        rf"^(?P<layer>.*\.layers\.\d+)\.{re.escape(moe.per_expert_prefix)}\.(?P<e>\d+)\.(?P<w>{names})\.weight$"
+    )
+
+
+def _fused_re(moe: MoeLayout) -> re.Pattern[str]:
+    return re.compile(rf"^(?P<layer>.*\.layers\.\d+)\.{re.escape(moe.fused_prefix)}\.(?P<w>gate_up_proj|down_proj)$")
+
+
+def _has_fused(tensors: Mapping[str, torch.Tensor], moe: MoeLayout) -> bool:
+    pat = _fused_re(moe)
+    return any(pat.match(n) for n in tensors)
+
+
+def _rename(name: str, renames: tuple[tuple[str, str], ...]) -> str:
+    for old, new in renames:
+        name = name.replace(old, new)
+    return name
+
+
+def fuse_experts(tensors: Mapping[str, torch.Tensor], arch: str) -> dict[str, torch.Tensor]:
+    """Per-expert 2-D expert weights -> fused 3-D ``gate_up_proj``/``down_proj`` (see ``MoeLayout``).
+
+    ``gate_up_proj[e] = cat([gate_e, up_e], dim=0)`` (``[2I, H]``), ``down_proj[e] = down_e``
+    (``[H, I]``). Other tensors keep their order and values (names renamed per ``fused_renames``);
+    each fused pair takes the place of its layer's first expert tensor.
+    """
+    moe = _spec(arch).moe
+    if moe is None:
+        raise ValueError(f"{arch!r} has no experts")
+    pat = _layer_expert_re(moe)
+    role = {moe.gate: "gate", moe.up: "up", moe.down: "down"}
+    groups: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    out: dict[str, torch.Tensor | None] = {}
+    for name, t in tensors.items():
+        m = pat.match(name)
+        if m is None:
+            out[_rename(name, moe.fused_renames)] = t
+            continue
+        layer = m["layer"]
+        if layer not in groups:
+            groups[layer] = {"gate": {}, "up": {}, "down": {}}
+            fused_layer = _rename(layer + ".", moe.fused_renames)[:-1]
+            out[f"{fused_layer}.{moe.fused_prefix}.gate_up_proj"] = None  # placeholders keep order
+            out[f"{fused_layer}.{moe.fused_prefix}.down_proj"] = None
+        groups[layer][role[m["w"]]][int(m["e"])] = t
+    for layer, g in groups.items():
+        experts = sorted(g["gate"])
+        if not experts or experts != list(range(len(experts))) or any(sorted(g[r]) != experts for r in ("up", "down")):
+            raise ValueError(f"{layer}: incomplete or non-contiguous experts {[sorted(g[r]) for r in g]}")
+        fused_layer = _rename(layer + ".", moe.fused_renames)[:-1]
+        out[f"{fused_layer}.{moe.fused_prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([g["gate"][e], g["up"][e]], dim=0) for e in experts]
+        ).contiguous()
+        out[f"{fused_layer}.{moe.fused_prefix}.down_proj"] = torch.stack([g["down"][e] for e in experts]).contiguous()
+    return out  # type: ignore[return-value]
+
+
+def unfuse_experts(tensors: Mapping[str, torch.Tensor], arch: str) -> dict[str, torch.Tensor]:
+    """Fused 3-D experts -> per-expert 2-D weights with the classic names; inverse of ``fuse_experts``.
+
+    Per layer, experts are emitted in order ``e = 0..E-1`` as gate, up, down (each a contiguous
+    copy), in place of the fused pair.
+    """
+    moe = _spec(arch).moe
+    if moe is None:
+        raise ValueError(f"{arch!r} has no experts")
+    pat = _fused_re(moe)
+    undo = tuple((new, old) for old, new in moe.fused_renames)
+    fused: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in tensors.items():
+        m = pat.match(name)
+        if m is not None:
+            fused.setdefault(m["layer"], {})[m["w"]] = t
+    out: dict[str, torch.Tensor] = {}
+    done: set[str] = set()
+    for name, t in tensors.items():
+        m = pat.match(name)
+        if m is None:
+            out[_rename(name, undo)] = t
+            continue
+        layer = m["layer"]
+        if layer in done:
+            continue
+        done.add(layer)
+        pair = fused[layer]
+        if set(pair) != {"gate_up_proj", "down_proj"}:
+            raise ValueError(f"{layer}: needs both gate_up_proj and down_proj, has {sorted(pair)}")
+        gate_up, down = pair["gate_up_proj"], pair["down_proj"]
+        n_exp, two_i, _ = gate_up.shape
+        if two_i % 2 or down.shape[0] != n_exp or down.shape[2] != two_i // 2:
+            raise ValueError(f"{layer}: gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} disagree")
+        inter = two_i // 2
+        base = _rename(layer + ".", undo)[:-1]
+        for e in range(n_exp):
+            prefix = f"{base}.{moe.per_expert_prefix}.{e}"
+            out[f"{prefix}.{moe.gate}.weight"] = gate_up[e, :inter].clone()
+            out[f"{prefix}.{moe.up}.weight"] = gate_up[e, inter:].clone()
+            out[f"{prefix}.{moe.down}.weight"] = down[e].clone()
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Shards on disk
+
+
+def _size_to_int(size: str | int) -> int:
+    if isinstance(size, int):
+        return size
+    from transformers.utils.hub import convert_file_size_to_int
+
+    return convert_file_size_to_int(size)
+
+
+def write_shards(
+    out_dir: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor], max_shard_size: str | int = "100KB"
+) -> list[Path]:
+    """Write ``tensors`` as transformers-style shards (greedy, in the given order) plus the index.
+
+    Replaces existing ``model*.safetensors`` files and the index in ``out_dir``. A shard is closed
+    before a tensor that would push it past ``max_shard_size`` (a larger tensor gets its own
+    shard). One shard is written as ``model.safetensors`` without an index, as transformers does.
+    Returns the shard paths.
+    """
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    limit = _size_to_int(max_shard_size)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > limit:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t.contiguous()
+        size += nbytes
+    _remove_weight_files(out)
+    n = len(shards)
+    names = [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    paths = []
+    for fname, shard in zip(names, shards):
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        paths.append(out / fname)
+    if n > 1:
+        index = {
+            "metadata": {
+                "total_parameters": sum(t.numel() for t in tensors.values()),
+                "total_size": sum(t.numel() * t.element_size() for t in tensors.values()),
+            },
+            "weight_map": {name: fname for fname, shard in zip(names, shards) for name in shard},
+        }
+        (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    return paths
+
+
+def _weight_files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    index = path / INDEX_NAME
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [path / f for f in sorted(set(weight_map.values()))]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors files in {path}")
+    return files
+
+
+def read_checkpoint_tensors(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors checkpoint (directory, via the index if any, or one file).
+
+    Reference data for tests: loaded with ``safetensors.torch.load_file``, shard by shard in file
+    name order. Raises if a name appears in two shards or the index disagrees with the shards.
+    """
+    from safetensors.torch import load_file
+
+    p = Path(path)
+    out: dict[str, torch.Tensor] = {}
+    for f in _weight_files(p):
+        for name, t in load_file(str(f)).items():
+            if name in out:
+                raise ValueError(f"tensor {name!r} appears in more than one shard ({f.name})")
+            out[name] = t
+    index = p / INDEX_NAME if p.is_dir() else None
+    if index is not None and index.exists():
+        mapped = set(json.loads(index.read_text())["weight_map"])
+        if mapped != set(out):
+            raise ValueError(
+                f"index and shards disagree: only in index {sorted(mapped - set(out))[:5]}, "
+                f"only in shards {sorted(set(out) - mapped)[:5]}"
+            )
+    return out
+
+
+def list_tensors(path: str | os.PathLike[str]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """``name -> (shape, safetensors dtype code)`` for a checkpoint, from headers only, sorted by name."""
+    from safetensors import safe_open
+
+    found: dict[str, tuple[tuple[int, ...], str]] = {}
+    for f in _weight_files(Path(path)):
+        with safe_open(str(f), "pt") as sf:
+            for name in sf.keys():
+                sl = sf.get_slice(name)
+                found[name] = (tuple(sl.get_shape()), sl.get_dtype())
+    return dict(sorted(found.items(), key=lambda kv: _natural_key(kv[0])))
+
+
+def _natural_key(name: str) -> list[Any]:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]

@@ -1,0 +1,1 @@
+"""Architecture specs (TOML data), importable as ``functional_load.specs`` for package-data lookup."""
