@@ -179,8 +179,15 @@ def parse_spec(data: Mapping[str, Any], source: str = "<spec>") -> ArchSpec:
 def load_spec(path: str | Path) -> ArchSpec:
     """Read one spec file."""
     path = Path(path)
-    with path.open("rb") as f:
-        return parse_spec(tomllib.load(f), source=str(path))
+    return _parse_toml(path.read_text(), str(path))
+
+
+def _parse_toml(text: str, source: str) -> ArchSpec:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source}: invalid TOML: {exc}") from None
+    return parse_spec(data, source)
 
 
 def builtin_specs() -> dict[str, ArchSpec]:
@@ -188,7 +195,7 @@ def builtin_specs() -> dict[str, ArchSpec]:
     specs = {}
     for entry in resources.files("functional_load.specs").iterdir():
         if entry.name.endswith(".toml"):
-            spec = parse_spec(tomllib.loads(entry.read_text()), source=f"specs/{entry.name}")
+            spec = _parse_toml(entry.read_text(), f"specs/{entry.name}")
             specs[spec.name] = spec
     return specs
 
