@@ -150,7 +150,7 @@ def _table(stage: Mapping[str, Any], where: str) -> MappingTable:
 
 def parse_spec(data: Mapping[str, Any], source: str = "<spec>") -> ArchSpec:
     """Build an :class:`ArchSpec` from parsed TOML, checking every field."""
-    known = {"name", "architectures", "layers", "dims", "modules", "stages", "tie"}
+    known = {"name", "architectures", "layers", "dims", "modules", "stages", "tie", "extends"}
     unknown = set(data) - known
     if unknown:
         raise ConfigError(f"{source}: unknown top-level keys {sorted(unknown)}; expected {sorted(known)}")
@@ -176,28 +176,64 @@ def parse_spec(data: Mapping[str, Any], source: str = "<spec>") -> ArchSpec:
         raise ConfigError(f"{source}: malformed architecture spec: {exc!r}") from None
 
 
-def load_spec(path: str | Path) -> ArchSpec:
-    """Read one spec file."""
-    path = Path(path)
-    return _parse_toml(path.read_text(), str(path))
-
-
-def _parse_toml(text: str, source: str) -> ArchSpec:
+def _read_toml(text: str, source: str) -> dict[str, Any]:
     try:
-        data = tomllib.loads(text)
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{source}: invalid TOML: {exc}") from None
-    return parse_spec(data, source)
+
+
+def _builtin_raw() -> dict[str, tuple[dict[str, Any], str]]:
+    raw = {}
+    for entry in resources.files("functional_load.specs").iterdir():
+        if entry.name.endswith(".toml"):
+            source = f"specs/{entry.name}"
+            data = _read_toml(entry.read_text(), source)
+            raw[data.get("name", entry.name[:-5])] = (data, source)
+    return raw
+
+
+def _resolve(data: dict[str, Any], source: str, raw: Mapping[str, tuple[dict[str, Any], str]], seen: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Apply ``extends``: start from the base spec; ``dims`` and each module's fields are updated
+    key by key (``kind = "none"`` removes a module), everything else is replaced."""
+    base_name = data.get("extends")
+    if base_name is None:
+        return data
+    if base_name not in raw or base_name in seen:
+        raise ConfigError(f"{source}: extends unknown or circular spec {base_name!r}; known: {sorted(raw)}")
+    base = _resolve(*raw[base_name], raw, seen + (base_name,))
+    merged = {k: v for k, v in base.items() if k not in ("architectures", "extends")}
+    for key, value in data.items():
+        if key == "dims":
+            merged["dims"] = {**base.get("dims", {}), **value}
+        elif key == "modules":
+            modules = [(name, dict(fields)) for name, fields in base.get("modules", {}).items()]
+            for name, fields in value.items():
+                names = [n for n, _ in modules]
+                if name in names:
+                    i = names.index(name)
+                    modules[i] = (name, {**modules[i][1], **fields})
+                else:  # a new per-layer module joins the end of the layer block
+                    layered = [i for i, n in enumerate(names) if "{layer}" in n]
+                    at = layered[-1] + 1 if "{layer}" in name and layered else len(modules)
+                    modules.insert(at, (name, dict(fields)))
+            merged["modules"] = {n: f for n, f in modules if f.get("kind") != "none"}
+        elif key != "extends":
+            merged[key] = value
+    return merged
+
+
+def load_spec(path: str | Path) -> ArchSpec:
+    """Read one spec file; ``extends`` may name a built-in spec."""
+    path = Path(path)
+    data = _read_toml(path.read_text(), str(path))
+    return parse_spec(_resolve(data, str(path), _builtin_raw()), str(path))
 
 
 def builtin_specs() -> dict[str, ArchSpec]:
     """The specs shipped in ``specs/``, by name."""
-    specs = {}
-    for entry in resources.files("functional_load.specs").iterdir():
-        if entry.name.endswith(".toml"):
-            spec = _parse_toml(entry.read_text(), f"specs/{entry.name}")
-            specs[spec.name] = spec
-    return specs
+    raw = _builtin_raw()
+    return {name: parse_spec(_resolve(data, source, raw), source) for name, (data, source) in raw.items()}
 
 
 def spec_for_config(config: Mapping[str, Any], specs: Mapping[str, ArchSpec] | None = None) -> ArchSpec:
