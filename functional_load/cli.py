@@ -1,0 +1,114 @@
+"""``functional-load``: inspect a checkpoint, print a rank's plan, load a rank to safetensors,
+or verify every rank of a tp size against the checkpoint.
+
+Errors for bad input print as one message (no traceback) and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from .errors import LoadError
+
+
+def _inspect(args: argparse.Namespace) -> None:
+    from .checkpoint.discover import discover
+    from .checkpoint.index import index_checkpoint
+    from .config import model_dtype, read_config
+    from .spec import spec_for_config
+
+    config = read_config(args.model_dir)
+    checkpoint = index_checkpoint(discover(args.model_dir, args.load_format))
+    spec = spec_for_config(config)
+    print(f"{checkpoint.directory}: {spec.name} ({', '.join(config.get('architectures') or [])}), "
+          f"dtype {model_dtype(config, checkpoint)}, format {checkpoint.load_format}")
+    print(f"{len(checkpoint.files)} files, {len(checkpoint.tensors)} tensors, {checkpoint.total_bytes:,} bytes")
+    for info in checkpoint.tensors.values():
+        print(f"  {info.name:60s} {info.dtype:8s} {str(list(info.shape)):16s} {info.file.name}")
+
+
+def _plan(args: argparse.Namespace) -> None:
+    from .api import plan
+
+    the_plan = plan(args.model_dir, tp_size=args.tp, rank=args.rank, dtype=args.dtype, load_format=args.load_format)
+    print(json.dumps(the_plan.to_json(), indent=1) if args.json else the_plan.table())
+
+
+def _load(args: argparse.Namespace) -> None:
+    from safetensors.torch import save_file
+
+    from .api import load
+
+    start = time.perf_counter()
+    state = load(args.model_dir, tp_size=args.tp, rank=args.rank, dtype=args.dtype, load_format=args.load_format)
+    seconds = time.perf_counter() - start
+    seen: dict[int, str] = {}
+    tensors = {}
+    for name, tensor in state.items():  # safetensors refuses shared storage: save each tensor once
+        if id(tensor) in seen:
+            continue
+        seen[id(tensor)] = name
+        tensors[name] = tensor.contiguous()
+    aliases = {name: seen[id(t)] for name, t in state.items() if seen[id(t)] != name}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"model-rank-{args.rank}-of-{args.tp}.safetensors"
+    save_file(tensors, str(path), metadata={"tp_size": str(args.tp), "rank": str(args.rank), "aliases": json.dumps(aliases)})
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    print(f"rank {args.rank}/{args.tp}: {len(state)} tensors, {size:,} bytes in {seconds:.3f} s -> {path}")
+
+
+def _verify(args: argparse.Namespace) -> None:
+    from .verify import verify_ranks
+
+    report = verify_ranks(args.model_dir, tp_size=args.tp, dtype=args.dtype, load_format=args.load_format)
+    print(report.plans[args.rank].table())
+    print()
+    print(report.summary())
+    if not report.ok:
+        raise SystemExit(1)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="functional-load", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def add(name: str, help: str, rank: bool = True):
+        p = sub.add_parser(name, help=help)
+        p.add_argument("model_dir", help="checkpoint directory (config.json + weight files)")
+        p.add_argument("--load-format", default="auto", help="auto | hf | safetensors | mistral | pt")
+        if rank:
+            p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+            p.add_argument("--rank", type=int, default=0, help="tensor-parallel rank")
+            p.add_argument("--dtype", default=None, help="destination dtype (default: the config's)")
+        return p
+
+    add("inspect", "list the checkpoint's files and tensors (headers only)", rank=False).set_defaults(run=_inspect)
+    p = add("plan", "print one rank's load plan (no tensor data is read)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(run=_plan)
+    p = add("load", "load one rank and write its tensors as safetensors")
+    p.add_argument("--out", required=True, help="output directory")
+    p.set_defaults(run=_load)
+    p = add("verify", "plan and load every rank of --tp, and check each against the checkpoint bit for bit")
+    p.set_defaults(run=_verify)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.run(args)
+    except LoadError as exc:
+        print(f"functional-load: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
