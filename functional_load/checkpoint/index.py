@@ -115,7 +115,12 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
 def index_checkpoint(files: WeightFiles) -> Checkpoint:
     """All tensors of the discovered files, from headers only; the safetensors index decides duplicates."""
     if files.kind != "safetensors":
-        raise CheckpointError(f"{files.directory}: .bin/.pt pickles have no header to index; they are loaded elsewhere")
+        names = ", ".join(p.name for p in files.files[:3])
+        raise CheckpointError(
+            f"{files.directory}: the weights are pickle files ({names}), which have no header to plan from and can run "
+            f"code when unpickled; convert them to safetensors (e.g. transformers save_pretrained(..., "
+            f"safe_serialization=True)) to load them here"
+        )
     headers = {path.name: read_header(path) for path in files.files}
     tensors: dict[str, TensorInfo] = {}
     if files.weight_map is not None:
