@@ -172,7 +172,7 @@ STACKED = [
         (0, 1),
     ),
     (
-        MappingTable.from_dicts(stacked={".kv_proj": (".qkv_proj", ("k", "v"))}),
+        MappingTable.from_dicts(stacked={".kv_proj": (".qkv_proj", ["k", "v"])}),
         "attn.kv_proj.weight",
         "attn.qkv_proj.weight",
         ("k", "v"),
