@@ -9,7 +9,7 @@ from typing import Any
 from .checkpoint import Checkpoint
 from .checkpoint.discover import strict_json_loads
 from .dtypes import canonical_dtype, torch_name
-from .errors import CheckpointError, ConfigError
+from .errors import CheckpointError, ConfigError, MissingFileError
 
 MAX_CONFIG_BYTES = 16 * 1024 * 1024
 
@@ -17,6 +17,8 @@ MAX_CONFIG_BYTES = 16 * 1024 * 1024
 def read_config(model_dir: str | Path) -> dict[str, Any]:
     """The model's ``config.json`` as a dict (strict JSON: no duplicate keys, no NaN)."""
     path = Path(model_dir) / "config.json"
+    if not Path(model_dir).is_dir():
+        raise MissingFileError(f"{model_dir}: model directory not found (it must be a local directory)")
     if not path.is_file():
         raise ConfigError(f"{path}: no config.json in the model directory; it is needed to know the model's shapes")
     if path.stat().st_size > MAX_CONFIG_BYTES:
