@@ -14,11 +14,14 @@ from typing import Any
 from .errors import ConfigError, ShardingError
 from .mapping import ROTARY_CACHES, MappingTable
 from .sharding import (
+    PLACEMENTS,
+    ExpertSplit,
     Replicated,
     Segment,
     Sharding,
     Split,
     VocabSplit,
+    local_expert_slots,
     split_local_rows,
     split_pieces,
     vocab_shard,
@@ -28,16 +31,45 @@ from .spec import ArchSpec, ModuleSpec, evaluate
 
 @dataclass(frozen=True, slots=True)
 class Parallel:
-    """Which rank of how many. Explicit, never read from the environment."""
+    """Which rank of how many. Explicit, never read from the environment.
+
+    With ``expert_parallel`` the MoE experts are spread over the ``tp_size`` ranks
+    (``ep_size = tp_size``, ``ep_rank = rank``) and kept whole, while attention stays
+    tensor-parallel; ``num_redundant_experts`` extra physical experts repeat logical ones.
+    """
 
     tp_size: int = 1
     rank: int = 0
+    expert_parallel: bool = False
+    expert_placement: str = "linear"
+    num_redundant_experts: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.tp_size, int) or self.tp_size < 1:
             raise ShardingError(f"tp_size must be a positive integer, got {self.tp_size!r}")
         if not isinstance(self.rank, int) or not 0 <= self.rank < self.tp_size:
             raise ShardingError(f"rank must be in [0, {self.tp_size}) for tp_size={self.tp_size}, got {self.rank!r}")
+        if self.expert_placement not in PLACEMENTS:
+            raise ShardingError(f"expert_placement must be one of {PLACEMENTS}, got {self.expert_placement!r}")
+        if not isinstance(self.num_redundant_experts, int) or self.num_redundant_experts < 0:
+            raise ShardingError(f"num_redundant_experts must be a non-negative integer, got {self.num_redundant_experts!r}")
+        if self.num_redundant_experts and not self.expert_parallel:
+            raise ShardingError("num_redundant_experts needs expert_parallel=True (redundant experts are an EP feature)")
+
+    @property
+    def ep_size(self) -> int:
+        return self.tp_size if self.expert_parallel else 1
+
+    @property
+    def expert_tp(self) -> tuple[int, int]:
+        """(tp size, rank) used inside each expert: whole experts under expert parallelism."""
+        return (1, 0) if self.expert_parallel else (self.tp_size, self.rank)
+
+    def expert_slots(self, num_experts: int) -> tuple[int, ...]:
+        """The logical expert held in each local expert slot of this rank."""
+        return local_expert_slots(
+            num_experts, self.ep_size, self.rank, self.expert_placement, self.num_redundant_experts
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +173,7 @@ def _linear(module: ModuleSpec, scope: _Scope) -> list[tuple[str, tuple[int, ...
     elif kind == "replicated_linear":
         weight = bias = Replicated()
     else:
-        weight = bias = Split(0, segments)
+        weight = bias = Split(0, segments, disable_tp=bool(f.get("disable_tp", False)))
     params = [("weight", (out_rows, in_size), weight)]
     if has_bias:
         params.append(("bias", (out_rows,), bias))
@@ -159,6 +191,18 @@ def _module_params(module: ModuleSpec, scope: _Scope) -> list[tuple[str, tuple[i
             (name, tuple(scope.int(d, f"{module.pattern}.{name}") for d in shape), Replicated())
             for name, shape in f["params"].items()
         ]
+    if module.kind == "experts":
+        experts = scope.int(f["experts"], f"{module.pattern}.experts")
+        hidden = scope.int(f["in"], f"{module.pattern}.in")
+        inter = scope.int(f["intermediate"], f"{module.pattern}.intermediate")
+        if experts < 1:
+            raise ConfigError(f"{module.pattern}: {f['experts']!r} gave {experts} experts; an MoE layer needs at least one")
+        w13 = Split(0, (Segment("w1", inter, label="expert intermediate rows"), Segment("w3", inter, label="expert intermediate rows")))
+        w2 = Split(1, (Segment("w2", inter, label="expert intermediate columns"),))
+        return [
+            ("w13_weight", (experts, 2 * inter, hidden), ExpertSplit(experts, w13)),
+            ("w2_weight", (experts, hidden, inter), ExpertSplit(experts, w2)),
+        ]
     return _linear(module, scope)
 
 
@@ -171,6 +215,10 @@ def local_shape(shape: tuple[int, ...], sharding: Sharding, parallel: Parallel) 
     if isinstance(sharding, VocabSplit):
         shard = vocab_shard(sharding.vocab, parallel.tp_size, parallel.rank, padding=sharding.padding)
         return (shard.per_partition,) + shape[1:]
+    if isinstance(sharding, ExpertSplit):
+        slots = parallel.expert_slots(sharding.num_experts)
+        tp, rank = parallel.expert_tp
+        return (len(slots),) + local_shape(shape[1:], sharding.inner, Parallel(tp, rank))
     return shape
 
 
@@ -214,7 +262,7 @@ def build_layout(config: Mapping[str, Any], spec: ArchSpec, parallel: Parallel, 
                     module=name,
                     shape=shape,
                     local_shape=local_shape(shape, sharding, parallel),
-                    dtype=dtype,
+                    dtype=module.fields.get("dtype", dtype),
                     sharding=sharding,
                     transposed=transposed and len(shape) == 2,
                 )

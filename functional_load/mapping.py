@@ -1,9 +1,10 @@
 """Name mapping tables: checkpoint names to destination names (vLLM ``WeightsMapper`` semantics).
 
 A table is data: an ordered tuple of rules. Rule kinds apply in a fixed order
-(rename -> regex -> substr -> stacked -> prefix -> suffix); within a kind every matching rule
+(rename -> regex -> substr -> expert -> stacked -> prefix -> suffix); within a kind every matching rule
 applies, each one seeing the previous result. A rule whose replacement is ``None`` drops the
-tensor. A stacked rule also tags the tensor with the shard id(s) it fills in a fused parameter.
+tensor. A stacked rule also tags the tensor with the shard id(s) it fills in a fused parameter;
+an expert rule (``.experts.{e}.w1.weight``) also records which expert the tensor belongs to.
 
 Tables compose with ``|`` (later rules replace earlier ones with the same pattern) and run in
 stages with :func:`map_name`, which is how vLLM keeps cache-scale renames ahead of the stacked
@@ -19,8 +20,9 @@ from typing import Literal, Union
 
 from .sharding import ShardId
 
-RuleKind = Literal["rename", "regex", "substr", "stacked", "prefix", "suffix"]
-RULE_KINDS: tuple[RuleKind, ...] = ("rename", "regex", "substr", "stacked", "prefix", "suffix")
+RuleKind = Literal["rename", "regex", "substr", "expert", "stacked", "prefix", "suffix"]
+RULE_KINDS: tuple[RuleKind, ...] = ("rename", "regex", "substr", "expert", "stacked", "prefix", "suffix")
+_TAGGING = ("expert", "stacked")  # kinds that carry shard ids and cannot drop
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +32,8 @@ class Rule:
     * rename: the whole name equals ``pattern``.
     * regex: ``re.search(pattern)``; every occurrence is substituted (``re.sub``).
     * substr: ``pattern in name``; the first occurrence is replaced.
+    * expert: ``pattern`` holds ``{e}``, which matches an expert number; like stacked, and also
+      records the expert id (vLLM's ``make_expert_params_mapping`` as data).
     * stacked: like substr, and tags the result with ``shard_ids``.
     * prefix: ``name.startswith(pattern)``; the first occurrence is replaced.
     * suffix: ``name.endswith(pattern)``; the last occurrence is replaced.
@@ -43,17 +47,31 @@ class Rule:
     def __post_init__(self) -> None:
         if self.kind not in RULE_KINDS:
             raise ValueError(f"unknown rule kind {self.kind!r}; expected one of {RULE_KINDS}")
-        if self.kind == "stacked":
+        if self.kind in _TAGGING:
             if self.replacement is None:
-                raise ValueError(f"stacked rule {self.pattern!r} cannot drop a tensor (replacement None)")
+                raise ValueError(f"{self.kind} rule {self.pattern!r} cannot drop a tensor (replacement None)")
             if not self.shard_ids:
-                raise ValueError(f"stacked rule {self.pattern!r} needs at least one shard id")
+                raise ValueError(f"{self.kind} rule {self.pattern!r} needs at least one shard id")
         elif self.shard_ids:
-            raise ValueError(f"only stacked rules carry shard ids, not {self.kind} rule {self.pattern!r}")
+            raise ValueError(f"only stacked and expert rules carry shard ids, not {self.kind} rule {self.pattern!r}")
+        if self.kind == "expert" and self.pattern.count("{e}") != 1:
+            raise ValueError(f"expert rule {self.pattern!r} must contain {{e}} exactly once")
         if self.kind == "regex":
             re.compile(self.pattern)
 
+    def _expert_regex(self) -> re.Pattern[str]:
+        before, after = self.pattern.split("{e}")
+        return re.compile(re.escape(before) + r"(\d+)" + re.escape(after))
+
+    def expert_id(self, name: str) -> int:
+        """The expert number an expert rule matched in ``name``."""
+        match = self._expert_regex().search(name)
+        assert match is not None
+        return int(match.group(1))
+
     def matches(self, name: str) -> bool:
+        if self.kind == "expert":
+            return self._expert_regex().search(name) is not None
         if self.kind == "rename":
             return name == self.pattern
         if self.kind == "regex":
@@ -74,16 +92,20 @@ class Rule:
             return re.sub(self.pattern, new, name)
         if self.kind == "suffix":
             return new.join(name.rsplit(self.pattern, 1))
+        if self.kind == "expert":
+            return self._expert_regex().sub(new.replace("\\", "\\\\"), name, count=1)
         return name.replace(self.pattern, new, 1)
 
 
 @dataclass(frozen=True, slots=True)
 class Mapped:
     """Where a checkpoint tensor goes. Empty ``shard_ids``: it fills the whole parameter (or all
-    of its segments at once, when the checkpoint stores them fused)."""
+    of its segments at once, when the checkpoint stores them fused). ``expert`` is the expert
+    a per-expert tensor belongs to (``None``: not an expert tensor, or all experts fused)."""
 
     name: str
     shard_ids: tuple[ShardId, ...] = ()
+    expert: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,12 +121,12 @@ class MappingTable:
     def from_dicts(cls, **kinds: Mapping[str, object]) -> MappingTable:
         """Build from one ``{pattern: replacement}`` dict per kind, in vLLM's spelling.
 
-        Stacked values are ``(replacement, shard_id)`` or ``(replacement, [shard_ids])``.
+        Stacked and expert values are ``(replacement, shard_id)`` or ``(replacement, [shard_ids])``.
         """
         rules = []
         for kind in RULE_KINDS:
             for pattern, value in kinds.pop(kind, {}).items():
-                if kind == "stacked":
+                if kind in _TAGGING:
                     new, ids = value  # type: ignore[misc]
                     ids = tuple(ids) if isinstance(ids, (list, tuple)) else (ids,)
                     rules.append(Rule(kind, pattern, new, ids))
@@ -117,16 +139,19 @@ class MappingTable:
     def map(self, name: str) -> Mapped | None:
         """Apply the table to one name; ``None`` means the tensor is dropped."""
         shard_ids: tuple[ShardId, ...] = ()
+        expert = None
         for kind in RULE_KINDS:
             for rule in self.rules:
                 if rule.kind != kind or not rule.matches(name):
                     continue
                 if rule.replacement is None:
                     return None
+                if kind == "expert":
+                    expert = rule.expert_id(name)
                 name = rule.apply(name)
                 if rule.shard_ids:
                     shard_ids = rule.shard_ids
-        return Mapped(name, shard_ids)
+        return Mapped(name, shard_ids, expert)
 
     def __or__(self, other: MappingTable) -> MappingTable:
         """Merge: ``other``'s rules replace ours with the same kind and pattern; new ones follow."""
@@ -136,15 +161,15 @@ class MappingTable:
         return MappingTable(tuple(merged))
 
     def rename_only(self) -> MappingTable:
-        """The renames alone: no drops, no stacked rules (for quant-config layer lists)."""
-        return MappingTable(tuple(r for r in self.rules if r.replacement is not None and r.kind != "stacked"))
+        """The renames alone: no drops, no stacked or expert rules (for quant-config layer lists)."""
+        return MappingTable(tuple(r for r in self.rules if r.replacement is not None and r.kind not in _TAGGING))
 
 
 Stages = Union[MappingTable, Iterable[MappingTable]]
 
 
 def map_name(stages: Stages, name: str) -> Mapped | None:
-    """Run ``name`` through tables in sequence; a later stage's shard ids replace earlier ones."""
+    """Run ``name`` through tables in sequence; a later stage's shard ids (and expert) replace earlier ones."""
     if isinstance(stages, MappingTable):
         stages = (stages,)
     mapped = Mapped(name)
@@ -152,7 +177,11 @@ def map_name(stages: Stages, name: str) -> Mapped | None:
         result = table.map(mapped.name)
         if result is None:
             return None
-        mapped = replace(result, shard_ids=result.shard_ids or mapped.shard_ids)
+        mapped = replace(
+            result,
+            shard_ids=result.shard_ids or mapped.shard_ids,
+            expert=result.expert if result.expert is not None else mapped.expert,
+        )
     return mapped
 
 

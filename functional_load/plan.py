@@ -20,6 +20,7 @@ from .layout import Layout, ParamSpec, Parallel
 from .mapping import map_name
 from .sharding import (
     Box,
+    ExpertSplit,
     Replicated,
     ShardId,
     Split,
@@ -28,7 +29,7 @@ from .sharding import (
     boxes_overlap,
     full_box,
     segment_offsets,
-    segment_rows,
+    split_pieces,
     vocab_shard,
     with_range,
 )
@@ -194,50 +195,103 @@ def _segment_ids(split: Split, shard_id: ShardId | None, param: str) -> list[Sha
     return [shard_id]
 
 
-def _param_copies(spec: ParamSpec, info: TensorInfo, shard_id: ShardId | None, parallel: Parallel):
-    """The copies (and zero boxes) one checkpoint tensor contributes to one parameter, plus the
-    shape the checkpoint tensor must have. Slot keys identify what it fills, to catch duplicates."""
-    tp, rank = parallel.tp_size, parallel.rank
+@dataclass(frozen=True, slots=True)
+class _Contribution:
+    """What one checkpoint tensor (for one shard id) gives one parameter on one rank."""
+
+    pairs: tuple[tuple[Box, Box, Any], ...]  # (src box in destination orientation, dst box, slot key)
+    zeros: tuple[Box, ...]
+    expected: tuple[int, ...]  # the checkpoint tensor's shape, in destination orientation
+
+
+def _split_pairs(split: Split, shape: tuple[int, ...], local: Box, shard_id: ShardId | None, tp: int, rank: int, name: str):
+    """(src, dst, segment id) of each segment a tensor fills; ``shard_id=None`` means all segments
+    fused in one tensor, cut at the checkpoint's own offsets. Also the tensor's expected shape."""
+    ids = _segment_ids(split, shard_id, name)
+    by_id = {s.id: s for s in split.segments}
+    rows = sum(by_id[i].rows for i in ids)
+    expected = shape[: split.dim] + (rows,) + shape[split.dim + 1 :]
+    offsets = segment_offsets(split) if shard_id is None else {shard_id: 0}
+    pairs = []
+    for piece in split_pieces(split, tp, rank):
+        if piece.segment in ids:
+            start = offsets[piece.segment]
+            src = with_range(full_box(expected), split.dim, (start + piece.src[0], start + piece.src[1]))
+            pairs.append((src, with_range(local, split.dim, piece.dst), piece.segment))
+    return pairs, expected
+
+
+def _contribution(spec: ParamSpec, shard_id: ShardId | None, expert: int | None, parallel: Parallel) -> _Contribution | None:
+    """The boxes a checkpoint tensor fills in ``spec`` on this rank; ``None`` when this rank
+    needs nothing from it (an expert that lives on another rank)."""
     sharding = spec.sharding
     local = full_box(spec.local_shape)
-    zeros: list[Box] = []
+    if isinstance(sharding, ExpertSplit):
+        slots = parallel.expert_slots(sharding.num_experts)
+        tp, rank = parallel.expert_tp
+        inner, expected = _split_pairs(sharding.inner, spec.shape[1:], local[1:], shard_id, tp, rank, spec.name)
+        if expert is not None:  # one expert's matrix
+            if not 0 <= expert < sharding.num_experts:
+                raise ShardingError(f"{spec.name}: expert {expert} is out of range; the config has {sharding.num_experts} experts")
+            pairs = [(src, ((s, s + 1),) + dst, (s, seg)) for s, e in enumerate(slots) if e == expert for src, dst, seg in inner]
+            return _Contribution(tuple(pairs), (), expected) if pairs else None
+        pairs = [(((e, e + 1),) + src, ((s, s + 1),) + dst, (s, seg)) for s, e in enumerate(slots) for src, dst, seg in inner]
+        return _Contribution(tuple(pairs), (), (sharding.num_experts,) + expected)
+    if expert is not None:
+        raise ShardingError(f"{spec.name}: a per-expert tensor (expert {expert}) maps to a parameter that holds no experts")
     if isinstance(sharding, Split):
-        segment_ids = _segment_ids(sharding, shard_id, spec.name)
-        by_id = {s.id: s for s in sharding.segments}
-        fused_offsets = segment_offsets(sharding) if shard_id is None else {shard_id: 0}
-        dst_offsets, offset = {}, 0
-        for segment in sharding.segments:
-            start, stop = segment_rows(segment, tp, rank)
-            dst_offsets[segment.id] = offset
-            offset += stop - start
-        rows = sum(by_id[i].rows for i in segment_ids)
-        expected = spec.shape[: sharding.dim] + (rows,) + spec.shape[sharding.dim + 1 :]
-        pairs = []
-        for i in segment_ids:
-            start, stop = segment_rows(by_id[i], tp, rank)
-            src = with_range(full_box(expected), sharding.dim, (fused_offsets[i] + start, fused_offsets[i] + stop))
-            dst = with_range(local, sharding.dim, (dst_offsets[i], dst_offsets[i] + stop - start))
-            pairs.append((src, dst))
-        slots = [(spec.name, i) for i in segment_ids]
-    else:
-        if shard_id is not None:
-            raise ShardingError(f"{spec.name}: a {type(sharding).__name__} parameter takes no shard id, got {shard_id!r}")
-        expected = spec.shape
-        if isinstance(sharding, VocabSplit):
-            shard = vocab_shard(sharding.vocab, tp, rank, padding=sharding.padding)
-            n = shard.num_org
-            pairs = [
-                (with_range(full_box(expected), 0, shard.org), with_range(local, 0, (0, n)))
-            ] if n else []
-            if n < shard.per_partition:
-                zeros.append(with_range(local, 0, (n, shard.per_partition)))
+        pairs, expected = _split_pairs(sharding, spec.shape, local, shard_id, parallel.tp_size, parallel.rank, spec.name)
+        return _Contribution(tuple(pairs), (), expected)
+    if shard_id is not None:
+        raise ShardingError(f"{spec.name}: a {type(sharding).__name__} parameter takes no shard id, got {shard_id!r}")
+    if isinstance(sharding, VocabSplit):
+        shard = vocab_shard(sharding.vocab, parallel.tp_size, parallel.rank, padding=sharding.padding)
+        n = shard.num_org
+        pairs = [(with_range(full_box(spec.shape), 0, shard.org), with_range(local, 0, (0, n)), None)] if n else []
+        zeros = (with_range(local, 0, (n, shard.per_partition)),) if n < shard.per_partition else ()
+        return _Contribution(tuple(pairs), zeros, spec.shape)
+    return _Contribution(((full_box(spec.shape), local, None),), (), spec.shape)
+
+
+def expected_slots(spec: ParamSpec, parallel: Parallel) -> list[Any]:
+    """The slot keys that must all be filled for ``spec`` to be complete on this rank."""
+    sharding = spec.sharding
+    if isinstance(sharding, ExpertSplit):
+        slots = parallel.expert_slots(sharding.num_experts)
+        return [(s, seg.id) for s in range(len(slots)) for seg in sharding.inner.segments]
+    if isinstance(sharding, Split):
+        return [seg.id for seg in sharding.segments]
+    return [None]
+
+
+def _describe_slot(spec: ParamSpec, slot: Any, parallel: Parallel) -> str:
+    if isinstance(spec.sharding, ExpertSplit):
+        s, seg = slot
+        logical = parallel.expert_slots(spec.sharding.num_experts)[s]
+        return f"expert {logical} ({seg})"
+    return f"segment {slot!r}"
+
+
+def _merge_expert_runs(copies: list[Copy]) -> list[Copy]:
+    """Join copies of consecutive experts from a 3-D tensor into one box (fewer, longer reads)."""
+    merged: list[Copy] = []
+    for c in copies:
+        last = merged[-1] if merged else None
+        if (
+            last is not None
+            and last.tensor == c.tensor
+            and len(c.src) == 3
+            and last.src[1:] == c.src[1:]
+            and last.dst[1:] == c.dst[1:]
+            and last.src[0][1] == c.src[0][0]
+            and last.dst[0][1] == c.dst[0][0]
+        ):
+            src = ((last.src[0][0], c.src[0][1]),) + c.src[1:]
+            dst = ((last.dst[0][0], c.dst[0][1]),) + c.dst[1:]
+            merged[-1] = Copy(c.tensor, src, dst, c.transpose)
         else:
-            assert isinstance(sharding, Replicated)
-            pairs = [(full_box(expected), local)]
-        slots = [(spec.name, None)]
-    stored = tuple(reversed(expected)) if spec.transposed else expected
-    copies = [Copy(info.name, tuple(reversed(src)) if spec.transposed else src, dst, spec.transposed) for src, dst in pairs]
-    return copies, zeros, stored, slots
+            merged.append(c)
+    return merged
 
 
 def make_plan(layout: Layout, checkpoint: Checkpoint) -> Plan:
@@ -251,7 +305,7 @@ def make_plan(layout: Layout, checkpoint: Checkpoint) -> Plan:
     dropped: list[tuple[str, str]] = []
     copies: dict[str, list[Copy]] = defaultdict(list)
     zeros: dict[str, list[Box]] = defaultdict(list)
-    filled: dict[tuple[str, ShardId | None], str] = {}
+    filled: dict[tuple[str, Any], str] = {}  # (parameter, slot) -> checkpoint tensor
     used: dict[str, TensorInfo] = {}
     params = layout.params
 
@@ -272,10 +326,14 @@ def make_plan(layout: Layout, checkpoint: Checkpoint) -> Plan:
             continue
         for shard_id in mapped.shard_ids or (None,):
             try:
-                new, new_zeros, stored, slots = _param_copies(spec, info, shard_id, layout.parallel)
+                part = _contribution(spec, shard_id, mapped.expert, layout.parallel)
             except ShardingError as exc:
                 problems.append(f"checkpoint tensor {name!r} in {info.file.name}: {exc}")
                 continue
+            if part is None:
+                dropped.append((name, f"expert {mapped.expert} is not held by rank {layout.parallel.rank}"))
+                continue
+            stored = tuple(reversed(part.expected)) if spec.transposed else part.expected
             if info.shape != stored:
                 what = f" (shard {shard_id!r})" if shard_id is not None else ""
                 problems.append(
@@ -289,24 +347,34 @@ def make_plan(layout: Layout, checkpoint: Checkpoint) -> Plan:
                     f"to the parameter dtype {spec.dtype} of {spec.name}"
                 )
                 continue
-            clash = [filled[s] for s in slots if s in filled] + [
-                filled[k] for k in filled if k[0] == spec.name and (k[1] is None) != (slots[0][1] is None)
-            ]
-            if clash:
-                problems.append(f"checkpoint tensors {clash[0]!r} and {name!r} both fill parameter {spec.name}")
+            keys = [(spec.name, slot) for _, _, slot in part.pairs]
+            clash = next((filled[k] for k in keys if k in filled), None)
+            if clash is not None:
+                problems.append(f"checkpoint tensors {clash!r} and {name!r} both fill parameter {spec.name}")
                 continue
-            filled.update({s: name for s in slots})
-            copies[spec.name].extend(new)
-            zeros[spec.name].extend(new_zeros)
+            filled.update({k: name for k in keys})
+            for src, dst, _ in part.pairs:
+                copies[spec.name].append(Copy(name, tuple(reversed(src)) if spec.transposed else src, dst, spec.transposed))
+            zeros[spec.name].extend(part.zeros)
             used[name] = info
 
     missing = []
     for spec in params.values():
-        problem = _coverage_problem(spec, copies[spec.name], zeros[spec.name])
-        if problem == "missing":
+        wanted = expected_slots(spec, layout.parallel)
+        absent = [slot for slot in wanted if (spec.name, slot) not in filled]
+        if len(absent) == len(wanted):
             missing.append(spec.name)
-        elif problem:
-            problems.append(problem)
+        elif absent:
+            present = sorted({filled[(spec.name, s)] for s in wanted if (spec.name, s) in filled})
+            problems.append(
+                f"{spec.name} is only partly initialized from checkpoint: "
+                f"{_abbreviate([_describe_slot(spec, slot, layout.parallel) for slot in absent])} not found "
+                f"(found: {_abbreviate(present, 3)})"
+            )
+        else:
+            problem = _coverage_problem(spec, copies[spec.name], zeros[spec.name])
+            if problem:
+                problems.append(problem)
     for alias, target in layout.aliases.items():
         if target in params and target in missing:
             problems.append(
@@ -327,7 +395,8 @@ def make_plan(layout: Layout, checkpoint: Checkpoint) -> Plan:
         parallel=layout.parallel,
         dtype=layout.dtype,
         params=tuple(
-            ParamPlan(s, tuple(sorted(copies[s.name], key=lambda c: c.dst)), tuple(zeros[s.name])) for s in params.values()
+            ParamPlan(s, tuple(_merge_expert_runs(sorted(copies[s.name], key=lambda c: c.dst))), tuple(zeros[s.name]))
+            for s in params.values()
         ),
         tensors=used,
         aliases=layout.aliases,
@@ -342,26 +411,16 @@ def _float_compatible(checkpoint_dtype: str, param_dtype: str) -> bool:
 
 
 def _coverage_problem(spec: ParamSpec, copies: list[Copy], zeros: list[Box]) -> str | None:
-    """``"missing"`` when nothing fills the parameter, a message when it is partly filled or
-    overfilled, ``None`` when every element is written exactly once."""
+    """A message when the boxes do not tile the rank-local parameter exactly once (every slot
+    being filled should guarantee it; this guards the index maths itself)."""
     boxes = [c.dst for c in copies] + zeros
-    if not copies:
-        return "missing"
-    total = box_volume(full_box(spec.local_shape))
     for i, a in enumerate(boxes):
         for b in boxes[i + 1 :]:
             if boxes_overlap(a, b):
                 return f"{spec.name}: two checkpoint slices overlap in the rank-local parameter at {_slices(a)} and {_slices(b)}"
-    covered = sum(box_volume(b) for b in boxes)
+    covered, total = sum(box_volume(b) for b in boxes), box_volume(full_box(spec.local_shape))
     if covered != total:
-        have = sorted({c.tensor for c in copies})
-        need = ""
-        if isinstance(spec.sharding, Split) and len(spec.sharding.segments) > 1:
-            need = f" (segments {[s.id for s in spec.sharding.segments]})"
-        return (
-            f"{spec.name} is only partly initialized from checkpoint: {covered} of {total} elements, from {have}; "
-            f"a part of the fused parameter{need} is missing from the checkpoint"
-        )
+        return f"{spec.name}: the planned slices cover {covered} of its {total} elements"
     return None
 
 

@@ -56,10 +56,13 @@ class Split:
 
     One segment is a plain column (``dim=0``) or row (``dim=1``) split. Several segments are a
     merged or QKV parameter: each rank holds ``[seg0_r; seg1_r; ...]`` back to back.
+    ``disable_tp`` keeps the segment structure but gives every rank everything (vLLM's
+    ``disable_tp=True`` layers, e.g. DeepSeek's ``fused_qkv_a_proj``).
     """
 
     dim: int
     segments: tuple[Segment, ...]
+    disable_tp: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "segments", tuple(self.segments))
@@ -84,7 +87,22 @@ class VocabSplit:
     dim: int = field(default=0, init=False)
 
 
-Sharding = Union[Replicated, Split, VocabSplit]
+@dataclass(frozen=True, slots=True)
+class ExpertSplit:
+    """A fused MoE parameter ``[E_local, ...]``: whole experts on dim 0, each expert's matrix
+    sharded by ``inner`` (dims relative to one expert's matrix).
+
+    Without expert parallelism every rank holds every expert, each TP-sharded by ``inner``; with
+    it, experts are spread over the ranks (:func:`local_expert_slots`) and kept whole.
+    """
+
+    num_experts: int
+    inner: Split
+
+
+Sharding = Union[Replicated, Split, VocabSplit, ExpertSplit]
+
+PLACEMENTS = ("linear", "round_robin")
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +149,8 @@ def segment_rows(segment: Segment, tp_size: int, rank: int) -> Range:
 
 def split_pieces(split: Split, tp_size: int, rank: int) -> tuple[Piece, ...]:
     """Where each segment's rows go on ``rank``: local rows are the segments back to back."""
+    if split.disable_tp:
+        tp_size, rank = 1, 0
     pieces, offset = [], 0
     for segment in split.segments:
         start, stop = segment_rows(segment, tp_size, rank)
@@ -227,3 +247,37 @@ def full_box(shape: tuple[int, ...]) -> Box:
 def with_range(box: Box, dim: int, rng: Range) -> Box:
     """``box`` with dimension ``dim`` replaced by ``rng``."""
     return box[:dim] + (rng,) + box[dim + 1 :]
+
+
+def compute_local_expert_ids(num_experts: int, ep_size: int, ep_rank: int, placement: str = "linear") -> tuple[int, ...]:
+    """The expert ids ``ep_rank`` holds (vLLM ``compute_local_expert_ids`` / ``determine_expert_map``).
+
+    ``linear``: contiguous blocks of ``E // ep``, the first ``E % ep`` ranks one more;
+    ``round_robin``: ``ep_rank, ep_rank + ep, ...``.
+    """
+    if placement not in PLACEMENTS:
+        raise ShardingError(f"unknown expert placement {placement!r}; use one of {PLACEMENTS}")
+    if num_experts < ep_size:
+        raise ShardingError(
+            f"{num_experts} experts cannot be spread over ep={ep_size} ranks: ranks {num_experts}..{ep_size - 1} "
+            f"would hold no expert; use an expert-parallel size of at most {num_experts}"
+        )
+    if placement == "round_robin":
+        return tuple(range(ep_rank, num_experts, ep_size))
+    base, rem = divmod(num_experts, ep_size)
+    start = ep_rank * base + min(ep_rank, rem)
+    return tuple(range(start, start + base + (ep_rank < rem)))
+
+
+def local_expert_slots(
+    num_experts: int, ep_size: int, ep_rank: int, placement: str = "linear", redundant: int = 0
+) -> tuple[int, ...]:
+    """The logical expert loaded into each local slot, in slot order.
+
+    With ``redundant`` extra physical experts, physical expert ``p`` holds logical expert
+    ``p % num_experts`` (vLLM's ``phys2log``); the ``num_experts + redundant`` physical experts
+    are what expert parallelism spreads.
+    """
+    physical = num_experts + redundant
+    ids = compute_local_expert_ids(physical, ep_size, ep_rank, placement) if ep_size > 1 else tuple(range(physical))
+    return tuple(p % num_experts for p in ids)

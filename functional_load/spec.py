@@ -5,7 +5,7 @@ the model with their parallel kind, the tied-embedding rule, and the name-mappin
 an architecture means adding a TOML file; no Python changes.
 
 Expressions are a tiny, safe subset of Python over config keys and earlier dims: names, numbers,
-``+ - * // %``, comparisons, ``and``/``or``/``not`` and ``x if c else y``. A missing config key is
+``+ - * // %``, comparisons (``in`` too), ``and``/``or``/``not`` and ``x if c else y``. A missing config key is
 ``None``, so ``"num_key_value_heads or num_attention_heads"`` is a fallback.
 """
 
@@ -29,7 +29,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-MODULE_KINDS = ("vocab", "column", "merged", "qkv", "row", "replicated_linear", "replicated")
+MODULE_KINDS = ("vocab", "column", "merged", "qkv", "row", "replicated_linear", "replicated", "experts")
 
 _BINOPS = {
     ast.Add: operator.add,
@@ -39,6 +39,8 @@ _BINOPS = {
     ast.Mod: operator.mod,
 }
 _CMPOPS = {
+    ast.In: lambda a, b: a in (b or ()),
+    ast.NotIn: lambda a, b: a not in (b or ()),
     ast.Eq: operator.eq,
     ast.NotEq: operator.ne,
     ast.Lt: operator.lt,
@@ -140,7 +142,7 @@ def _table(stage: Mapping[str, Any], where: str) -> MappingTable:
         if kind not in RULE_KINDS:
             raise ConfigError(f"{where}: unknown mapping rule kind {kind!r}; expected one of {RULE_KINDS}")
         for pattern, value in entries.items():
-            if kind == "stacked":
+            if kind in ("stacked", "expert"):
                 new, ids = value
                 rules.append(Rule(kind, pattern, new, tuple(ids) if isinstance(ids, list) else (ids,)))
             else:

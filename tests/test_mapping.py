@@ -74,7 +74,7 @@ INVALID_RULES = [
     pytest.param(lambda: Rule("stacked", ".q_proj", None, ("q",)), "cannot drop", id="stacked-drop"),
     pytest.param(lambda: MappingTable.from_dicts(stacked={".q_proj": (None, "q")}), "cannot drop", id="stacked-drop-dict"),
     pytest.param(lambda: Rule("stacked", ".q_proj", ".qkv_proj"), "at least one shard id", id="stacked-no-id"),
-    pytest.param(lambda: Rule("substr", "a", "b", ("q",)), "only stacked rules", id="substr-with-id"),
+    pytest.param(lambda: Rule("substr", "a", "b", ("q",)), "only stacked and expert rules", id="substr-with-id"),
     pytest.param(lambda: Rule("infix", "a", "b"), "unknown rule kind", id="unknown-kind"),
     pytest.param(lambda: MappingTable.from_dicts(infix={"a": "b"}), "unknown rule kinds", id="unknown-kind-dict"),
 ]
