@@ -163,8 +163,9 @@ def _linear(module: ModuleSpec, scope: _Scope) -> list[tuple[str, tuple[int, ...
             for i, out in enumerate(f["outs"])
         )
     else:
-        out_size = scope.int(f["out"], f"{module.pattern}.out")
-        segments = (Segment(0, out_size, label="output rows"),)
+        out = scope.int(f["out"], f"{module.pattern}.out")
+        unit = scope.int(f.get("unit", 1), f"{module.pattern}.unit")
+        segments = (Segment(0, out, unit, label=f.get("label", "output rows")),)
     out_rows = sum(s.rows for s in segments)
     has_bias = bool(evaluate(f.get("bias", False), scope))
     if kind == "row":
@@ -187,10 +188,12 @@ def _module_params(module: ModuleSpec, scope: _Scope) -> list[tuple[str, tuple[i
         dim = scope.int(f["dim"], f"{module.pattern}.dim")
         return [("weight", (size, dim), VocabSplit(size, int(f.get("padding", 64))))]
     if module.kind == "replicated":
-        return [
-            (name, tuple(scope.int(d, f"{module.pattern}.{name}") for d in shape), Replicated())
-            for name, shape in f["params"].items()
-        ]
+        params = []
+        for name, shape in f["params"].items():
+            if isinstance(shape, Mapping):  # {shape = [...], dtype = "float32"}
+                shape = shape["shape"]
+            params.append((name, tuple(scope.int(d, f"{module.pattern}.{name}") for d in shape), Replicated()))
+        return params
     if module.kind == "experts":
         experts = scope.int(f["experts"], f"{module.pattern}.experts")
         hidden = scope.int(f["in"], f"{module.pattern}.in")
@@ -204,6 +207,12 @@ def _module_params(module: ModuleSpec, scope: _Scope) -> list[tuple[str, tuple[i
             ("w2_weight", (experts, hidden, inter), ExpertSplit(experts, w2)),
         ]
     return _linear(module, scope)
+
+
+def _param_dtype(module: ModuleSpec, suffix: str, default: str) -> str:
+    """A replicated param may pin its dtype (DeepSeek's fp32 ``e_score_correction_bias``)."""
+    entry = module.fields.get("params", {}).get(suffix)
+    return entry.get("dtype", default) if isinstance(entry, Mapping) else default
 
 
 def local_shape(shape: tuple[int, ...], sharding: Sharding, parallel: Parallel) -> tuple[int, ...]:
@@ -262,7 +271,7 @@ def build_layout(config: Mapping[str, Any], spec: ArchSpec, parallel: Parallel, 
                     module=name,
                     shape=shape,
                     local_shape=local_shape(shape, sharding, parallel),
-                    dtype=module.fields.get("dtype", dtype),
+                    dtype=_param_dtype(module, suffix, dtype),
                     sharding=sharding,
                     transposed=transposed and len(shape) == 2,
                 )
@@ -276,4 +285,5 @@ def build_layout(config: Mapping[str, Any], spec: ArchSpec, parallel: Parallel, 
     if spec.tie is not None and evaluate(spec.tie.when, scope):
         params.pop(spec.tie.alias, None)
         aliases[spec.tie.alias] = spec.tie.target
-    return Layout(spec.name, parallel, dtype, params, (ROTARY_CACHES, *spec.stages), aliases)
+    stages = tuple(stage.table for stage in spec.stages if evaluate(stage.when, scope))
+    return Layout(spec.name, parallel, dtype, params, (ROTARY_CACHES, *stages), aliases)

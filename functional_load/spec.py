@@ -122,13 +122,21 @@ class TieSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class Stage:
+    """One mapping table, applied only when ``when`` (an expression over the config) holds."""
+
+    table: MappingTable
+    when: str | bool = True
+
+
+@dataclass(frozen=True, slots=True)
 class ArchSpec:
     name: str
     architectures: tuple[str, ...]
     layers: str
     dims: Mapping[str, str]
     modules: tuple[ModuleSpec, ...]
-    stages: tuple[MappingTable, ...]
+    stages: tuple[Stage, ...]
     tie: TieSpec | None = None
     source: str = ""
 
@@ -136,9 +144,11 @@ class ArchSpec:
         object.__setattr__(self, "dims", MappingProxyType(dict(self.dims)))
 
 
-def _table(stage: Mapping[str, Any], where: str) -> MappingTable:
+def _stage(stage: Mapping[str, Any], where: str) -> Stage:
     rules = []
     for kind, entries in stage.items():
+        if kind == "when":
+            continue
         if kind not in RULE_KINDS:
             raise ConfigError(f"{where}: unknown mapping rule kind {kind!r}; expected one of {RULE_KINDS}")
         for pattern, value in entries.items():
@@ -147,7 +157,7 @@ def _table(stage: Mapping[str, Any], where: str) -> MappingTable:
                 rules.append(Rule(kind, pattern, new, tuple(ids) if isinstance(ids, list) else (ids,)))
             else:
                 rules.append(Rule(kind, pattern, None if value is False else value))
-    return MappingTable(tuple(rules))
+    return Stage(MappingTable(tuple(rules)), stage.get("when", True))
 
 
 def parse_spec(data: Mapping[str, Any], source: str = "<spec>") -> ArchSpec:
@@ -168,7 +178,7 @@ def parse_spec(data: Mapping[str, Any], source: str = "<spec>") -> ArchSpec:
             layers=data["layers"],
             dims=data.get("dims", {}),
             modules=modules,
-            stages=tuple(_table(stage, f"{source} stage {i}") for i, stage in enumerate(data.get("stages", []))),
+            stages=tuple(_stage(stage, f"{source} stage {i}") for i, stage in enumerate(data.get("stages", []))),
             tie=tie,
             source=source,
         )
@@ -196,8 +206,9 @@ def _builtin_raw() -> dict[str, tuple[dict[str, Any], str]]:
 
 
 def _resolve(data: dict[str, Any], source: str, raw: Mapping[str, tuple[dict[str, Any], str]], seen: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Apply ``extends``: start from the base spec; ``dims`` and each module's fields are updated
-    key by key (``kind = "none"`` removes a module), everything else is replaced."""
+    """Apply ``extends``: start from the base spec; ``dims``, each module's fields and each
+    mapping stage's rules (stage by stage, in order) are updated key by key (``kind = "none"``
+    removes a module); everything else is replaced."""
     base_name = data.get("extends")
     if base_name is None:
         return data
@@ -220,6 +231,15 @@ def _resolve(data: dict[str, Any], source: str, raw: Mapping[str, tuple[dict[str
                     at = layered[-1] + 1 if "{layer}" in name and layered else len(modules)
                     modules.insert(at, (name, dict(fields)))
             merged["modules"] = {n: f for n, f in modules if f.get("kind") != "none"}
+        elif key == "stages":
+            stages = [dict(stage) for stage in base.get("stages", [])]
+            for i, stage in enumerate(value):
+                if i < len(stages):
+                    for kind, rules in stage.items():
+                        stages[i][kind] = {**stages[i].get(kind, {}), **rules} if isinstance(rules, dict) else rules
+                else:
+                    stages.append(dict(stage))
+            merged["stages"] = stages
         elif key != "extends":
             merged[key] = value
     return merged
