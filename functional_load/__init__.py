@@ -7,6 +7,8 @@ reads tensor bytes, and each rank reads only the bytes it keeps.
 
 from .api import load as load
 from .api import plan as plan
+from .execute import LoadedState as LoadedState
+from .quant.dequant import dequantize as dequantize
 from .errors import CheckpointError as CheckpointError
 from .errors import ConfigError as ConfigError
 from .errors import LoadError as LoadError
@@ -31,6 +33,7 @@ __all__ = [
     "ConfigError",
     "Copy",
     "Layout",
+    "LoadedState",
     "LoadError",
     "MappingTable",
     "MissingFileError",
@@ -45,6 +48,7 @@ __all__ = [
     "ShardingError",
     "Split",
     "VocabSplit",
+    "dequantize",
     "load",
     "plan",
 ]

@@ -8,9 +8,10 @@ from typing import Any
 from .checkpoint.discover import discover
 from .checkpoint.index import index_checkpoint
 from .config import model_dtype, read_config
-from .execute import execute
+from .execute import LoadedState, execute
 from .layout import Parallel, build_layout
 from .plan import Plan, make_plan
+from .quant.config import parse_quant_config
 from .spec import ArchSpec, spec_for_config
 
 
@@ -38,7 +39,8 @@ def plan(
     config = read_config(model_dir)
     checkpoint = index_checkpoint(discover(model_dir, load_format))
     arch = spec or spec_for_config(config)
-    layout = build_layout(config, arch, parallel, model_dtype(config, checkpoint, dtype))
+    dtype_name = model_dtype(config, checkpoint, dtype)
+    layout = build_layout(config, arch, parallel, dtype_name, parse_quant_config(config, dtype_name))
     return make_plan(layout, checkpoint)
 
 
@@ -76,5 +78,5 @@ def load(
     state = execute(the_plan, progress=progress)
     if str(device) != "cpu":
         moved: dict[int, Any] = {}
-        state = {name: moved.setdefault(id(t), t.to(device)) for name, t in state.items()}
+        state = LoadedState({name: moved.setdefault(id(t), t.to(device)) for name, t in state.items()}, the_plan)
     return state

@@ -7,15 +7,20 @@ descriptors, with no memory allocated. It is a pure function of its inputs.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
 from .errors import ConfigError, ShardingError
 from .mapping import ROTARY_CACHES, MappingTable
+from .quant.config import QuantConfig
+from .quant.schemes import Linear, QuantScheme
 from .sharding import (
     PLACEMENTS,
+    Blocked,
     ExpertSplit,
+    Slots,
+    blocked_pieces,
     Replicated,
     Segment,
     Sharding,
@@ -86,9 +91,11 @@ class ParamSpec:
     module: str
     shape: tuple[int, ...]
     local_shape: tuple[int, ...]
-    dtype: str
+    dtype: str  # a torch dtype name, or "checkpoint": keep the checkpoint tensor's dtype
     sharding: Sharding
     transposed: bool = False
+    default: float | None = None  # value when the checkpoint lacks it (KV-cache scales: 1.0)
+    fallback: str | None = None  # load from the same tensor as this parameter when absent (v_scale <- k_scale)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,10 +106,12 @@ class Layout:
     params: Mapping[str, ParamSpec]
     mapping: tuple[MappingTable, ...]
     aliases: Mapping[str, str]  # tied alias -> canonical parameter
+    schemes: Mapping[str, QuantScheme] = field(default_factory=dict)  # quantized module -> its scheme
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
         object.__setattr__(self, "aliases", MappingProxyType(dict(self.aliases)))
+        object.__setattr__(self, "schemes", MappingProxyType(dict(self.schemes)))
 
 
 class _Scope(Mapping[str, Any]):
@@ -144,7 +153,7 @@ class _Scope(Mapping[str, Any]):
         return value
 
 
-def _linear(module: ModuleSpec, scope: _Scope) -> list[tuple[str, tuple[int, ...], Sharding]]:
+def _linear(module: ModuleSpec, scope: _Scope) -> Linear:
     f = module.fields
     in_size = scope.int(f["in"], f"{module.pattern}.in")
     kind = module.kind
@@ -166,34 +175,46 @@ def _linear(module: ModuleSpec, scope: _Scope) -> list[tuple[str, tuple[int, ...
         out = scope.int(f["out"], f"{module.pattern}.out")
         unit = scope.int(f.get("unit", 1), f"{module.pattern}.unit")
         segments = (Segment(0, out, unit, label=f.get("label", "output rows")),)
-    out_rows = sum(s.rows for s in segments)
-    has_bias = bool(evaluate(f.get("bias", False), scope))
-    if kind == "row":
-        weight: Sharding = Split(1, (Segment(0, in_size, label="input columns"),))
+    return Linear(kind, in_size, segments, bool(f.get("disable_tp", False)))
+
+
+def _linear_params(linear: Linear, scheme: QuantScheme | None, model_dtype: str, has_bias: bool) -> list[ParamDef]:
+    """Weight (or the scheme's quantized tensors) and the unquantized bias."""
+    if linear.kind == "row":
+        weight: Sharding = Split(1, (Segment(0, linear.in_size, label="input columns"),))
         bias: Sharding = Replicated()
-    elif kind == "replicated_linear":
+    elif linear.kind == "replicated_linear":
         weight = bias = Replicated()
     else:
-        weight = bias = Split(0, segments, disable_tp=bool(f.get("disable_tp", False)))
-    params = [("weight", (out_rows, in_size), weight)]
+        weight = bias = Split(0, linear.segments, linear.disable_tp)
+    if scheme is None:
+        params = [("weight", (linear.out_size, linear.in_size), weight, model_dtype)]
+    else:
+        params = scheme.params(linear, model_dtype)
     if has_bias:
-        params.append(("bias", (out_rows,), bias))
+        params.append(("bias", (linear.out_size,), bias, model_dtype))
     return params
 
 
-def _module_params(module: ModuleSpec, scope: _Scope) -> list[tuple[str, tuple[int, ...], Sharding]]:
+ParamDef = tuple[str, tuple[int, ...], Sharding, str]  # (suffix, global shape, sharding, dtype)
+
+
+def _module_params(module: ModuleSpec, name: str, scope: _Scope, dtype: str, quant: QuantConfig | None, layout_stages: tuple[MappingTable, ...], schemes: dict[str, QuantScheme]) -> list[ParamDef]:
     f = module.fields
     if module.kind == "vocab":
         size = scope.int(f["size"], f"{module.pattern}.size")
         dim = scope.int(f["dim"], f"{module.pattern}.dim")
-        return [("weight", (size, dim), VocabSplit(size, int(f.get("padding", 64))))]
+        return [("weight", (size, dim), VocabSplit(size, int(f.get("padding", 64))), dtype)]
     if module.kind == "replicated":
         params = []
-        for name, shape in f["params"].items():
+        for suffix, shape in f["params"].items():
+            pinned = dtype
             if isinstance(shape, Mapping):  # {shape = [...], dtype = "float32"}
-                shape = shape["shape"]
-            params.append((name, tuple(scope.int(d, f"{module.pattern}.{name}") for d in shape), Replicated()))
+                shape, pinned = shape["shape"], shape.get("dtype", dtype)
+            params.append((suffix, tuple(scope.int(d, f"{module.pattern}.{suffix}") for d in shape), Replicated(), pinned))
         return params
+    if module.kind == "kv_cache":  # present when the model is quantized; absent scales default to 1.0
+        return [("k_scale", (), Replicated(), "float32"), ("v_scale", (), Replicated(), "float32")] if quant else []
     if module.kind == "experts":
         experts = scope.int(f["experts"], f"{module.pattern}.experts")
         hidden = scope.int(f["in"], f"{module.pattern}.in")
@@ -203,16 +224,26 @@ def _module_params(module: ModuleSpec, scope: _Scope) -> list[tuple[str, tuple[i
         w13 = Split(0, (Segment("w1", inter, label="expert intermediate rows"), Segment("w3", inter, label="expert intermediate rows")))
         w2 = Split(1, (Segment("w2", inter, label="expert intermediate columns"),))
         return [
-            ("w13_weight", (experts, 2 * inter, hidden), ExpertSplit(experts, w13)),
-            ("w2_weight", (experts, hidden, inter), ExpertSplit(experts, w2)),
+            ("w13_weight", (experts, 2 * inter, hidden), ExpertSplit(experts, w13), dtype),
+            ("w2_weight", (experts, hidden, inter), ExpertSplit(experts, w2), dtype),
         ]
-    return _linear(module, scope)
+    linear = _linear(module, scope)
+    scheme = quant.scheme_for(name, _checkpoint_modules(name, layout_stages)) if quant else None
+    if scheme is not None:
+        schemes[name] = scheme
+    return _linear_params(linear, scheme, dtype, bool(evaluate(f.get("bias", False), scope)))
 
 
-def _param_dtype(module: ModuleSpec, suffix: str, default: str) -> str:
-    """A replicated param may pin its dtype (DeepSeek's fp32 ``e_score_correction_bias``)."""
-    entry = module.fields.get("params", {}).get(suffix)
-    return entry.get("dtype", default) if isinstance(entry, Mapping) else default
+def _checkpoint_modules(module: str, stages: tuple[MappingTable, ...]) -> list[str]:
+    """The checkpoint module names a vLLM module is loaded from, by undoing stacked rules
+    (``...qkv_proj`` <- ``q_proj``, ``k_proj``, ``v_proj``); the name itself if none apply."""
+    parts = [
+        module.replace(rule.replacement, rule.pattern, 1)
+        for table in stages
+        for rule in table.rules
+        if rule.kind == "stacked" and rule.replacement and (module + ".").find(rule.replacement + ".") >= 0
+    ]
+    return parts or [module]
 
 
 def local_shape(shape: tuple[int, ...], sharding: Sharding, parallel: Parallel) -> tuple[int, ...]:
@@ -224,6 +255,13 @@ def local_shape(shape: tuple[int, ...], sharding: Sharding, parallel: Parallel) 
     if isinstance(sharding, VocabSplit):
         shard = vocab_shard(sharding.vocab, parallel.tp_size, parallel.rank, padding=sharding.padding)
         return (shard.per_partition,) + shape[1:]
+    if isinstance(sharding, Slots):
+        return (len(sharding.ids),)
+    if isinstance(sharding, Blocked):
+        pieces = blocked_pieces(sharding, parallel.tp_size, parallel.rank, fused=False)
+        rows = sum(p.dst[1] - p.dst[0] for p in pieces)
+        dim = sharding.split.dim
+        return shape[:dim] + (rows,) + shape[dim + 1 :]
     if isinstance(sharding, ExpertSplit):
         slots = parallel.expert_slots(sharding.num_experts)
         tp, rank = parallel.expert_tp
@@ -251,10 +289,14 @@ def _instances(spec: ArchSpec, scope: _Scope, num_layers: int) -> Iterator[tuple
                 yield module, module.pattern.replace("{layer}", str(layer)), layer_scope
 
 
-def build_layout(config: Mapping[str, Any], spec: ArchSpec, parallel: Parallel, dtype: str) -> Layout:
-    """Every parameter of ``parallel.rank``. Divisibility problems of all modules are collected
-    and raised together as one :class:`ShardingError`."""
+def build_layout(
+    config: Mapping[str, Any], spec: ArchSpec, parallel: Parallel, dtype: str, quant: QuantConfig | None = None
+) -> Layout:
+    """Every parameter of ``parallel.rank``; ``quant`` decides each linear's quantized tensors.
+    Divisibility problems of all modules are collected and raised together as one ShardingError."""
     scope = _Scope(config, spec.dims)
+    stages = tuple(stage.table for stage in spec.stages if evaluate(stage.when, scope))
+    schemes: dict[str, QuantScheme] = {}
     num_layers = scope.int(spec.layers, f"{spec.name}.layers")
     params: dict[str, ParamSpec] = {}
     problems: list[str] = []
@@ -264,16 +306,18 @@ def build_layout(config: Mapping[str, Any], spec: ArchSpec, parallel: Parallel, 
             continue
         transposed = bool(module.fields.get("transposed", False))
         try:
-            for suffix, shape, sharding in _module_params(module, module_scope):
+            for suffix, shape, sharding, param_dtype in _module_params(module, name, module_scope, dtype, quant, stages, schemes):
                 full = f"{name}.{suffix}"
                 params[full] = ParamSpec(
                     name=full,
                     module=name,
                     shape=shape,
                     local_shape=local_shape(shape, sharding, parallel),
-                    dtype=_param_dtype(module, suffix, dtype),
+                    dtype=param_dtype,
                     sharding=sharding,
-                    transposed=transposed and len(shape) == 2,
+                    transposed=transposed and suffix == "weight" and len(shape) == 2,
+                    default=1.0 if module.kind == "kv_cache" else None,
+                    fallback=f"{name}.k_scale" if module.kind == "kv_cache" and suffix == "v_scale" else None,
                 )
         except ShardingError as exc:
             failed.add(module.pattern)
@@ -285,5 +329,5 @@ def build_layout(config: Mapping[str, Any], spec: ArchSpec, parallel: Parallel, 
     if spec.tie is not None and evaluate(spec.tie.when, scope):
         params.pop(spec.tie.alias, None)
         aliases[spec.tie.alias] = spec.tie.target
-    stages = tuple(stage.table for stage in spec.stages if evaluate(stage.when, scope))
-    return Layout(spec.name, parallel, dtype, params, (ROTARY_CACHES, *stages), aliases)
+    quant_stages = quant.mapping if quant else ()
+    return Layout(spec.name, parallel, dtype, params, (ROTARY_CACHES, *quant_stages, *stages), aliases, schemes)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -18,9 +18,14 @@ from .dtypes import itemsize, torch_name
 from .errors import PlanError, ShardingError
 from .layout import Layout, ParamSpec, Parallel
 from .mapping import map_name
+from .quant.schemes import CHECKPOINT_DTYPE, QuantScheme
 from .sharding import (
+    Blocked,
     Box,
     ExpertSplit,
+    Shared,
+    Slots,
+    blocked_pieces,
     Replicated,
     ShardId,
     Split,
@@ -48,11 +53,14 @@ class Copy:
 
 @dataclass(frozen=True, slots=True)
 class ParamPlan:
-    """How one parameter of one rank is filled: copies, plus boxes that are zero (vocab padding)."""
+    """How one parameter of one rank is filled: copies, plus boxes that are zero (vocab padding),
+    or a default value when the checkpoint does not have it."""
 
     spec: ParamSpec
     copies: tuple[Copy, ...]
     zeros: tuple[Box, ...] = ()
+    fill: float | None = None  # the whole parameter takes this value (a default, e.g. KV scale 1.0)
+    checks: tuple[Copy, ...] = ()  # read and compared with what the copies wrote (Shared tensors)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,10 +75,19 @@ class Plan:
     tensors: Mapping[str, TensorInfo]  # the checkpoint tensors this plan reads
     aliases: Mapping[str, str] = field(default_factory=dict)  # tied alias -> canonical parameter
     dropped: tuple[tuple[str, str], ...] = ()  # (checkpoint tensor, why it is not loaded)
+    schemes: Mapping[str, QuantScheme] = field(default_factory=dict)  # quantized module -> scheme
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tensors", MappingProxyType(dict(self.tensors)))
         object.__setattr__(self, "aliases", MappingProxyType(dict(self.aliases)))
+        object.__setattr__(self, "schemes", MappingProxyType(dict(self.schemes)))
+
+    def param(self, name: str) -> ParamPlan:
+        """The plan of one parameter, by name (KeyError if the rank has no such parameter)."""
+        for p in self.params:
+            if p.spec.name == name:
+                return p
+        raise KeyError(name)
 
     def copy_bytes(self, copy: Copy) -> int:
         """Bytes of checkpoint data one copy reads."""
@@ -80,7 +97,7 @@ class Plan:
     @property
     def bytes_to_read(self) -> int:
         """Exact bytes of tensor data this rank reads from the checkpoint."""
-        return sum(self.copy_bytes(c) for p in self.params for c in p.copies)
+        return sum(self.copy_bytes(c) for p in self.params for c in p.copies + p.checks)
 
     @property
     def output_bytes(self) -> int:
@@ -121,10 +138,12 @@ class Plan:
                         for c in p.copies
                     ],
                     "zeros": [box(z) for z in p.zeros],
+                    "fill": p.fill,
                 }
                 for p in self.params
             ],
             "aliases": dict(self.aliases),
+            "schemes": {m: {k: getattr(q, k) for k in q.__slots__} for m, q in self.schemes.items()},
             "dropped": [{"tensor": t, "reason": r} for t, r in self.dropped],
         }
 
@@ -144,6 +163,8 @@ class Plan:
                 )
             for z in p.zeros:
                 rows.append(("", "", "(zero padding)", f"-> {_slices(z)}", "0"))
+            if p.fill is not None:
+                rows.append((p.spec.name, _shape(p.spec.local_shape), f"(default {p.fill})", "", "0"))
         for alias, target in self.aliases.items():
             rows.append((alias, "", f"(same tensor as {target})", "", "0"))
         widths = [max(len(r[i]) for r in rows) for i in range(5)]
@@ -166,14 +187,21 @@ def _slices(box: Box) -> str:
 
 def _sharding_json(spec: ParamSpec) -> dict[str, Any]:
     s = spec.sharding
+
+    def split(x: Split) -> dict[str, Any]:
+        segments = [{"id": g.id, "count": g.count, "unit": g.unit, "replicate": g.replicate} for g in x.segments]
+        return {"kind": "split", "dim": x.dim, "segments": segments, "disable_tp": x.disable_tp}
+
     if isinstance(s, Split):
-        return {
-            "kind": "split",
-            "dim": s.dim,
-            "segments": [{"id": g.id, "count": g.count, "unit": g.unit, "replicate": g.replicate} for g in s.segments],
-        }
+        return split(s)
     if isinstance(s, VocabSplit):
         return {"kind": "vocab", "vocab": s.vocab, "padding": s.padding}
+    if isinstance(s, ExpertSplit):
+        return {"kind": "experts", "num_experts": s.num_experts, "inner": split(s.inner)}
+    if isinstance(s, (Slots, Shared)):
+        return {"kind": type(s).__name__.lower(), "ids": list(s.ids)}
+    if isinstance(s, Blocked):
+        return {"kind": "blocked", "block": s.block, "split": split(s.split)}
     return {"kind": "replicated"}
 
 
@@ -221,11 +249,50 @@ def _split_pairs(split: Split, shape: tuple[int, ...], local: Box, shard_id: Sha
     return pairs, expected
 
 
-def _contribution(spec: ParamSpec, shard_id: ShardId | None, expert: int | None, parallel: Parallel) -> _Contribution | None:
-    """The boxes a checkpoint tensor fills in ``spec`` on this rank; ``None`` when this rank
-    needs nothing from it (an expert that lives on another rank)."""
+def _blocked_pairs(blocked: Blocked, shape: tuple[int, ...], local: Box, shard_id: ShardId | None, tp: int, rank: int, name: str):
+    """Like :func:`_split_pairs` for a block-scale tensor: rows counted in blocks."""
+    split, dim = blocked.split, blocked.split.dim
+    ids = _segment_ids(split, shard_id, name)
+    rows = sum(s.rows for s in split.segments if s.id in ids)
+    expected = shape[:dim] + (-(-rows // blocked.block),) + shape[dim + 1 :]
+    pairs = [
+        (with_range(full_box(expected), dim, p.src), with_range(local, dim, p.dst), p.segment)
+        for p in blocked_pieces(blocked, tp, rank, fused=shard_id is None)
+        if p.segment in ids
+    ]
+    return pairs, expected
+
+
+def _contribution(
+    spec: ParamSpec, shard_id: ShardId | None, expert: int | None, parallel: Parallel, found: tuple[int, ...]
+) -> _Contribution | None:
+    """The boxes a checkpoint tensor (of shape ``found``) fills in ``spec`` on this rank; ``None``
+    when this rank needs nothing from it (an expert that lives on another rank)."""
     sharding = spec.sharding
     local = full_box(spec.local_shape)
+    scalar = found if found in ((), (1,)) else (1,)  # 0-dim and [1] scalars are interchangeable
+    if isinstance(sharding, Shared):
+        ids = list(sharding.ids) if shard_id is None else [shard_id]
+        if shard_id is not None and shard_id not in sharding.ids:
+            raise ShardingError(f"{spec.name}: shard id {shard_id!r} is not one of {list(sharding.ids)}")
+        return _Contribution(tuple((full_box(spec.shape), local, i) for i in ids), (), spec.shape)
+    if isinstance(sharding, Slots):
+        if shard_id is None:
+            ids = list(sharding.ids)
+        elif shard_id in sharding.ids:
+            ids = [shard_id]
+        else:
+            raise ShardingError(f"{spec.name}: shard id {shard_id!r} is not one of its scale slots {list(sharding.ids)}")
+        pairs = [(full_box(scalar), ((i, i + 1),), slot) for i, slot in enumerate(sharding.ids) if slot in ids]
+        return _Contribution(tuple(pairs), (), scalar)
+    if spec.shape == ():
+        if shard_id is not None:
+            raise ShardingError(f"{spec.name}: a scalar parameter takes no shard id, got {shard_id!r}")
+        return _Contribution(((full_box(scalar), (), None),), (), scalar)
+    if isinstance(sharding, Blocked):
+        tp, rank = (1, 0) if sharding.split.disable_tp else (parallel.tp_size, parallel.rank)
+        pairs, expected = _blocked_pairs(sharding, spec.shape, local, shard_id, tp, rank, spec.name)
+        return _Contribution(tuple(pairs), (), expected)
     if isinstance(sharding, ExpertSplit):
         slots = parallel.expert_slots(sharding.num_experts)
         tp, rank = parallel.expert_tp
@@ -256,6 +323,10 @@ def _contribution(spec: ParamSpec, shard_id: ShardId | None, expert: int | None,
 def expected_slots(spec: ParamSpec, parallel: Parallel) -> list[Any]:
     """The slot keys that must all be filled for ``spec`` to be complete on this rank."""
     sharding = spec.sharding
+    if isinstance(sharding, (Slots, Shared)):
+        return list(sharding.ids)
+    if isinstance(sharding, Blocked):
+        return [seg.id for seg in sharding.split.segments]
     if isinstance(sharding, ExpertSplit):
         slots = parallel.expert_slots(sharding.num_experts)
         return [(s, seg.id) for s in range(len(slots)) for seg in sharding.inner.segments]
@@ -305,6 +376,7 @@ def make_plan(layout: Layout, checkpoint: Checkpoint) -> Plan:
     dropped: list[tuple[str, str]] = []
     copies: dict[str, list[Copy]] = defaultdict(list)
     zeros: dict[str, list[Box]] = defaultdict(list)
+    checks: dict[str, list[Copy]] = defaultdict(list)
     filled: dict[tuple[str, Any], str] = {}  # (parameter, slot) -> checkpoint tensor
     used: dict[str, TensorInfo] = {}
     params = layout.params
@@ -326,7 +398,7 @@ def make_plan(layout: Layout, checkpoint: Checkpoint) -> Plan:
             continue
         for shard_id in mapped.shard_ids or (None,):
             try:
-                part = _contribution(spec, shard_id, mapped.expert, layout.parallel)
+                part = _contribution(spec, shard_id, mapped.expert, layout.parallel, info.shape)
             except ShardingError as exc:
                 problems.append(f"checkpoint tensor {name!r} in {info.file.name}: {exc}")
                 continue
@@ -354,15 +426,24 @@ def make_plan(layout: Layout, checkpoint: Checkpoint) -> Plan:
                 continue
             filled.update({k: name for k in keys})
             for src, dst, _ in part.pairs:
-                copies[spec.name].append(Copy(name, tuple(reversed(src)) if spec.transposed else src, dst, spec.transposed))
+                copy = Copy(name, tuple(reversed(src)) if spec.transposed else src, dst, spec.transposed)
+                if isinstance(spec.sharding, Shared) and copies[spec.name]:
+                    if copy != copies[spec.name][0]:
+                        checks[spec.name].append(copy)
+                else:
+                    copies[spec.name].append(copy)
             zeros[spec.name].extend(part.zeros)
             used[name] = info
 
-    missing = []
+    missing, fills = [], {}
     for spec in params.values():
         wanted = expected_slots(spec, layout.parallel)
         absent = [slot for slot in wanted if (spec.name, slot) not in filled]
-        if len(absent) == len(wanted):
+        if len(absent) == len(wanted) and spec.fallback in copies:  # v_scale from k_scale's tensor
+            copies[spec.name] = list(copies[spec.fallback])
+        elif len(absent) == len(wanted) and spec.default is not None:
+            fills[spec.name] = spec.default
+        elif len(absent) == len(wanted):
             missing.append(spec.name)
         elif absent:
             present = sorted({filled[(spec.name, s)] for s in wanted if (spec.name, s) in filled})
@@ -395,16 +476,33 @@ def make_plan(layout: Layout, checkpoint: Checkpoint) -> Plan:
         parallel=layout.parallel,
         dtype=layout.dtype,
         params=tuple(
-            ParamPlan(s, tuple(_merge_expert_runs(sorted(copies[s.name], key=lambda c: c.dst))), tuple(zeros[s.name]))
+            ParamPlan(
+                _resolve_dtype(s, copies[s.name], used),
+                tuple(_merge_expert_runs(sorted(copies[s.name], key=lambda c: c.dst))),
+                tuple(zeros[s.name]),
+                fills.get(s.name),
+                tuple(checks[s.name]),
+            )
             for s in params.values()
         ),
+        schemes=layout.schemes,
         tensors=used,
         aliases=layout.aliases,
         dropped=tuple(dropped),
     )
 
 
+def _resolve_dtype(spec: ParamSpec, copies: list[Copy], tensors: Mapping[str, TensorInfo]) -> ParamSpec:
+    """A parameter that keeps the checkpoint's dtype takes it from its (first) source tensor."""
+    if spec.dtype != CHECKPOINT_DTYPE:
+        return spec
+    dtype = torch_name(tensors[copies[0].tensor].dtype) if copies else "float32"
+    return replace(spec, dtype=dtype)
+
+
 def _float_compatible(checkpoint_dtype: str, param_dtype: str) -> bool:
+    if param_dtype == CHECKPOINT_DTYPE:
+        return True
     source = torch_name(checkpoint_dtype)
     is_float = source.startswith(("float", "bfloat"))
     return is_float == param_dtype.startswith(("float", "bfloat")) or source == param_dtype

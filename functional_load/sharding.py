@@ -100,7 +100,35 @@ class ExpertSplit:
     inner: Split
 
 
-Sharding = Union[Replicated, Split, VocabSplit, ExpertSplit]
+@dataclass(frozen=True, slots=True)
+class Slots:
+    """One scalar per logical shard of a fused linear (vLLM ``PerTensorScaleParameter``): slot
+    ``i`` holds the scale of segment ``ids[i]``; a scale stored once for the fused tensor fills
+    every slot. The same on every rank."""
+
+    ids: tuple[ShardId, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Blocked:
+    """A block-quantization scale whose dimension ``split.dim`` counts blocks of ``block``
+    rows (or columns) of the weight split by ``split``. Each segment's local rows map to
+    ``ceil(rows / block)`` scale rows, back to back."""
+
+    split: Split
+    block: int
+
+
+@dataclass(frozen=True, slots=True)
+class Shared:
+    """A tensor that every part ``ids`` of a fused layer stores identically (GPTQ act-order
+    ``g_idx`` of q/k/v, which share one input): the first part fills the parameter, every other
+    part is read and checked equal. The same on every rank."""
+
+    ids: tuple[ShardId, ...]
+
+
+Sharding = Union[Replicated, Split, VocabSplit, ExpertSplit, Slots, Blocked, Shared]
 
 PLACEMENTS = ("linear", "round_robin")
 
@@ -281,3 +309,32 @@ def local_expert_slots(
     physical = num_experts + redundant
     ids = compute_local_expert_ids(physical, ep_size, ep_rank, placement) if ep_size > 1 else tuple(range(physical))
     return tuple(p % num_experts for p in ids)
+
+
+def blocked_pieces(blocked: Blocked, tp_size: int, rank: int, fused: bool) -> tuple[Piece, ...]:
+    """Scale blocks ``rank`` reads (``src``, absolute in the checkpoint scale tensor when ``fused``,
+    else relative to the segment) and where they go (``dst``).
+
+    A rank's weight slice must start on a block boundary, or lie inside a single block (then the
+    ranks sharing that block all keep its scale); otherwise its local blocks would not line up
+    with the checkpoint's and the error says so, in vLLM's words.
+    """
+    split, block = blocked.split, blocked.block
+    offsets = segment_offsets(split) if fused else {s.id: 0 for s in split.segments}
+    pieces, dst = [], 0
+    for piece in split_pieces(split, tp_size, rank):
+        start, stop = offsets[piece.segment] + piece.src[0], offsets[piece.segment] + piece.src[1]
+        local = piece.src[1] - piece.src[0]
+        if start % block and start // block != (stop - 1) // block:
+            what = "output_partition_size" if split.dim == 0 else "input_size_per_partition"
+            letter = "n" if split.dim == 0 else "k"
+            raise ShardingError(
+                f"Weight {what} = {local} is not divisible by weight quantization block_{letter} = {block}: "
+                f"at tp={tp_size}, rank {rank} holds rows {start}:{stop} of segment {piece.segment!r}, which start inside "
+                f"a block and cross into the next, so no scale rows fit them; use a tp size that keeps "
+                f"{letter}-slices block-aligned"
+            )
+        count = -(-local // block)
+        pieces.append(Piece(piece.segment, (start // block, start // block + count), (dst, dst + count)))
+        dst += count
+    return tuple(pieces)

@@ -29,7 +29,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-MODULE_KINDS = ("vocab", "column", "merged", "qkv", "row", "replicated_linear", "replicated", "experts")
+MODULE_KINDS = ("vocab", "column", "merged", "qkv", "row", "replicated_linear", "replicated", "experts", "kv_cache")
 
 _BINOPS = {
     ast.Add: operator.add,

@@ -1,0 +1,233 @@
+"""``quantization_config`` from ``config.json`` -> which scheme each linear module uses.
+
+Supported ``quant_method`` values: ``fp8`` (vLLM / AutoFP8 / Quark fp8 per-tensor, and the
+DeepSeek / transformers FineGrainedFP8 block format), ``compressed-tensors`` (float-, int-,
+naive- and pack-quantized), ``gptq`` (v1 and v2), ``awq`` (GEMM) and ``auto-round`` (its GPTQ
+and AWQ packings). Ignore lists (``ignore``, ``ignored_layers``, ``modules_to_not_convert``)
+name checkpoint modules; a fused vLLM module is skipped only if all of its parts are.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import ConfigError
+from ..mapping import MappingTable
+from .schemes import QuantScheme
+
+
+# vLLM's KV-cache scale names (0.33 ``get_cache_scale_mapper`` + Fp8/Quark output scales).
+CACHE_SCALES = MappingTable.from_dicts(
+    regex={
+        r"\.kv_scale$": ".attn.k_scale",
+        r"\.self_attn\.[kv]_proj\.([kv])_scale$": r".self_attn.attn.\1_scale",
+        r"\.self_attn\.qk(?:qk)?v_proj\.([kv])_scale$": r".self_attn.attn.\1_scale",
+        r"\.self_attn\.([kv])_cache\.scale$": r".self_attn.attn.\1_scale",
+        r"(?<!\.attn)\.([kv])_scale$": r".attn.\1_scale",
+    },
+    suffix={
+        ".k_proj.output_scale": ".attn.k_scale",
+        ".v_proj.output_scale": ".attn.v_scale",
+    },
+)
+
+# Checkpoint tensors that never become parameters (with why).
+_DROP_WEIGHT_SHAPE = MappingTable.from_dicts(suffix={".weight_shape": None})
+_DROP_G_IDX = MappingTable.from_dicts(suffix={".g_idx": None})
+
+
+@dataclass(frozen=True, slots=True)
+class QuantConfig:
+    """The parsed quantization config: a default scheme, per-target overrides, ignored modules."""
+
+    method: str
+    default: QuantScheme | None
+    ignore: tuple[str, ...] = ()
+    targets: tuple[tuple[str, QuantScheme], ...] = ()  # (regex or name, scheme), compressed-tensors
+    kv_cache: bool = False
+    mapping: tuple[MappingTable, ...] = field(default=())
+
+    def scheme_for(self, module: str, sources: Sequence[str]) -> QuantScheme | None:
+        """The scheme of vLLM module ``module`` whose checkpoint parts are ``sources``."""
+        skipped = [_matches(self.ignore, s) for s in sources]
+        if any(skipped) and not all(skipped):
+            raise ConfigError(
+                f"{module}: some but not all of its checkpoint parts {list(sources)} are in the quantization "
+                f"ignore list; all parts of a fused layer must have the same precision"
+            )
+        if skipped and all(skipped):
+            return None
+        for pattern, scheme in self.targets:
+            if any(_matches((pattern,), s) for s in sources):
+                return scheme
+        return self.default
+
+
+def _matches(patterns: Sequence[str], name: str) -> bool:
+    for p in patterns:
+        if p.startswith("re:"):
+            if re.match(p[3:], name):
+                return True
+        elif name == p or name.startswith(p + "."):  # a module, or a parent of it
+            return True
+    return False
+
+
+def parse_quant_config(config: Mapping[str, Any], model_dtype: str) -> QuantConfig | None:
+    """``None`` for an unquantized model; a ConfigError for a format this loader cannot read."""
+    qc = config.get("quantization_config")
+    if qc is None:
+        return None
+    if not isinstance(qc, Mapping):
+        raise ConfigError(f"config.json quantization_config must be an object, found {type(qc).__name__}")
+    method = str(qc.get("quant_method", "")).lower()
+    if method == "fp8":
+        return _fp8(qc)
+    if method == "compressed-tensors":
+        return _compressed_tensors(qc)
+    if method in ("gptq", "gptq_v2"):
+        return _gptq(qc, v2=method == "gptq_v2" or str(qc.get("checkpoint_format", "gptq")).lower() == "gptq_v2")
+    if method == "awq":
+        return _awq(qc)
+    if method == "quark":
+        return _quark(qc)
+    if method == "auto-round":
+        packing = str(qc.get("packing_format", "auto_round:auto_gptq")).lower()
+        if "awq" in packing:
+            return _awq(qc)
+        return _gptq(qc, v2=False)
+    raise ConfigError(
+        f"config.json quantization_config.quant_method = {method!r} is not supported; supported: fp8, "
+        f"compressed-tensors, gptq, awq, auto-round, quark (FP8)"
+    )
+
+
+def _ignore(qc: Mapping[str, Any]) -> tuple[str, ...]:
+    names: list[str] = []
+    for key in ("ignore", "ignored_layers", "modules_to_not_convert", "exclude"):
+        names += list(qc.get(key) or [])
+    return tuple(names)
+
+
+def _fp8(qc: Mapping[str, Any]) -> QuantConfig:
+    if qc.get("weight_scale_semantics", "") == "inverse" or str(qc.get("checkpoint_format", "")).startswith("float8"):
+        raise ConfigError(
+            "config.json: this FP8 checkpoint (GPTQModel format, weight_scale_semantics='inverse') stores the reciprocal "
+            "of DeepSeek's weight_scale_inv; loading it as vLLM fp8 would silently scale every weight wrongly. "
+            "Re-export it in the DeepSeek / compressed-tensors layout"
+        )
+    scheme = str(qc.get("activation_scheme", "dynamic")).lower()
+    if scheme not in ("static", "dynamic"):
+        raise ConfigError(f"config.json: Unsupported activation scheme {scheme!r} (use 'static' or 'dynamic')")
+    block = qc.get("weight_block_size")
+    if block is not None:
+        if len(block) != 2:
+            raise ConfigError(
+                f"config.json: The quantization block size of weight must have 2 dimensions, but got {len(block)} dimensions"
+            )
+        if scheme != "dynamic":
+            raise ConfigError(
+                f"config.json: The block-wise quantization only supports dynamic activation scheme for now, but got "
+                f"{scheme} activation scheme."
+            )
+        ue8m0 = str(qc.get("scale_fmt", "")).lower() == "ue8m0"
+        default = QuantScheme(
+            "fp8", strategy="block", block=(int(block[0]), int(block[1])), scale_name="weight_scale_inv",
+            scale_dtype="float8_e8m0fnu" if ue8m0 else "float32",
+        )
+    else:
+        default = QuantScheme("fp8", strategy="tensor", static_input=scheme == "static")
+    kv = qc.get("kv_cache_scheme") is not None
+    return QuantConfig("fp8", default, _ignore(qc), kv_cache=kv, mapping=(CACHE_SCALES,))
+
+
+def _ct_scheme(group: Mapping[str, Any], fmt: str) -> QuantScheme:
+    weights = group.get("weights") or {}
+    acts = group.get("input_activations")
+    bits = int(weights.get("num_bits", 8))
+    kind = weights.get("type", "int")
+    strategy = str(weights.get("strategy", "tensor")).lower()
+    static_input = bool(acts) and not acts.get("dynamic", True) and acts.get("strategy", "tensor") == "tensor"
+    if kind == "float":
+        if bits != 8:
+            raise ConfigError(f"compressed-tensors float weights of {bits} bits are not supported (FP8 only)")
+        block = tuple(weights["block_structure"]) if strategy == "block" else None
+        return QuantScheme("fp8", strategy=strategy, block=block, static_input=static_input)  # type: ignore[arg-type]
+    if fmt == "pack-quantized":
+        group_size = int(weights.get("group_size") or -1)
+        return QuantScheme(
+            "pack", bits=bits, strategy=strategy, group_size=group_size, symmetric=bool(weights.get("symmetric", True)),
+            act_order=weights.get("actorder") == "group",
+        )
+    if bits == 8 and fmt in ("int-quantized", "naive-quantized"):
+        if strategy not in ("tensor", "channel"):
+            raise ConfigError(f"compressed-tensors int8 weights with strategy {strategy!r} are not supported")
+        return QuantScheme("int8", strategy=strategy, static_input=static_input)
+    raise ConfigError(f"compressed-tensors format {fmt!r} with {bits}-bit {kind} weights is not supported")
+
+
+def _compressed_tensors(qc: Mapping[str, Any]) -> QuantConfig:
+    fmt = str(qc.get("format", "")).lower()
+    targets: list[tuple[str, QuantScheme]] = []
+    default = None
+    for name, group in (qc.get("config_groups") or {}).items():
+        scheme = _ct_scheme(group, str(group.get("format") or fmt).lower())
+        for target in group.get("targets", []):
+            if target == "Linear":
+                default = scheme
+            else:
+                targets.append((target, scheme))
+    if default is None and not targets:
+        raise ConfigError("config.json: compressed-tensors quantization_config has no config_groups targeting Linear layers")
+    return QuantConfig(
+        "compressed-tensors", default, _ignore(qc), tuple(targets),
+        kv_cache=qc.get("kv_cache_scheme") is not None, mapping=(CACHE_SCALES, _DROP_WEIGHT_SHAPE),
+    )
+
+
+def _int4(qc: Mapping[str, Any]) -> tuple[int, int]:
+    bits = int(qc.get("bits", 4))
+    if bits not in (2, 4, 8):
+        raise ConfigError(f"config.json: {bits}-bit GPTQ/AWQ weights are not supported (2, 4 or 8)")
+    return bits, int(qc.get("group_size", -1))
+
+
+def _gptq(qc: Mapping[str, Any], v2: bool) -> QuantConfig:
+    bits, group = _int4(qc)
+    act_order = bool(qc.get("desc_act", False))
+    scheme = QuantScheme(
+        "gptq", bits=bits, strategy="group", group_size=group, symmetric=bool(qc.get("sym", True)),
+        zero_offset=0 if v2 else 1, act_order=act_order,
+    )
+    # Without act-order g_idx is the trivial i // group_size; vLLM drops it.
+    mapping = (CACHE_SCALES,) if act_order else (CACHE_SCALES, _DROP_G_IDX)
+    return QuantConfig("gptq", scheme, _ignore(qc), mapping=mapping)
+
+
+def _awq(qc: Mapping[str, Any]) -> QuantConfig:
+    bits, group = _int4(qc)
+    version = str(qc.get("version", qc.get("format", "gemm"))).lower()
+    if version != "gemm":
+        raise ConfigError(f"config.json: AWQ version {version!r} is not supported (GEMM only)")
+    scheme = QuantScheme("awq", bits=bits, strategy="group", group_size=group, symmetric=not qc.get("zero_point", True))
+    return QuantConfig("awq", scheme, _ignore(qc), mapping=(CACHE_SCALES,))
+
+
+def _quark(qc: Mapping[str, Any]) -> QuantConfig:
+    """AMD Quark's own config: FP8 (e4m3) weights per tensor or per channel, optional static inputs."""
+    glob = qc.get("global_quant_config") or {}
+    weight, inputs = glob.get("weight") or {}, glob.get("input_tensors")
+    if weight.get("dtype") != "fp8_e4m3" or qc.get("layer_quant_config") or qc.get("layer_type_quant_config"):
+        raise ConfigError(
+            f"config.json: Quark quantization with weight dtype {weight.get('dtype')!r} or per-layer configs is not "
+            f"supported; only global FP8 (fp8_e4m3) weights are"
+        )
+    strategy = {"per_tensor": "tensor", "per_channel": "channel"}.get(weight.get("qscheme"))
+    if strategy is None:
+        raise ConfigError(f"config.json: Quark FP8 qscheme {weight.get('qscheme')!r} is not supported (per_tensor, per_channel)")
+    static = bool(inputs) and not inputs.get("is_dynamic", True) and inputs.get("qscheme") == "per_tensor"
+    scheme = QuantScheme("fp8", strategy=strategy, static_input=static)
+    return QuantConfig("quark", scheme, _ignore(qc), kv_cache=bool(qc.get("kv_cache_quant_config")), mapping=(CACHE_SCALES,))

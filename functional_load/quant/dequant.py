@@ -1,0 +1,175 @@
+"""``dequantize``: the dense float32 ``[out_local, in_local]`` weight of a loaded rank-local linear.
+
+For inspection, notebooks and tests. It reads the rank's own tensors and the plan that
+:func:`functional_load.load` attaches to the state it returns (``state.plan``), which knows each
+module's scheme and where each fused segment's rows (and scale blocks) are.
+
+Conventions (``shared/reference/quant-fixtures.md`` section 5):
+FP8 and int8 ``W = q * scale``; compressed-tensors pack-quantized ``W = (q - zp) * scale`` with
+signed fields (stored + 2^(b-1)), packed LSB-first along the input (weights) or output (zero
+points); GPTQ ``W[o, i] = (q[i, o] - z[g(i), o]) * s[g(i), o]``, v1 storing ``zero - 1`` per
+field (the whole word is corrected with ``+0x11111111``, which also undoes the borrow of a zero
+of 0); AWQ GEMM packs along the output with the interleave ``[0, 2, 4, 6, 1, 3, 5, 7]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import LoadError
+from ..sharding import Blocked, Slots, Split, blocked_pieces, split_pieces
+from .schemes import QuantScheme
+
+AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # element e of a word sits in field AWQ_REVERSE_ORDER[e]
+_FP8 = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+
+
+def unpack_int32(words: Any, bits: int, dim: int, interleave: tuple[int, ...] | None = None) -> Any:
+    """Unpack ``32 // bits`` unsigned fields per int32 along ``dim`` (LSB first): the result has
+    ``dim`` longer by the pack factor. ``interleave[e]`` is the field holding element ``e``."""
+    import torch
+
+    pf = 32 // bits
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(pf, dtype=torch.int64) * bits
+    view = [1] * (w.dim() + 1)
+    view[dim + 1] = pf
+    fields = (w.unsqueeze(dim + 1) >> shifts.view(view)) & ((1 << bits) - 1)
+    if interleave is not None:
+        fields = fields.index_select(dim + 1, torch.tensor(interleave))
+    shape = list(w.shape)
+    shape[dim] *= pf
+    return fields.reshape(shape)
+
+
+def dequantize(state: Mapping[str, Any], module_prefix: str) -> Any:
+    """The dense float32 weight ``[out_local, in_local]`` of a rank-local linear module.
+
+    ``state`` is what :func:`functional_load.load` returned (quantized modules need its
+    ``state.plan``); ``module_prefix`` names the module, e.g. ``"model.layers.0.self_attn.qkv_proj"``.
+    """
+    plan = getattr(state, "plan", None)
+    scheme = plan.schemes.get(module_prefix) if plan is not None else None
+    if scheme is None:
+        weight = state.get(f"{module_prefix}.weight")
+        if weight is None:
+            near = sorted(k for k in state if k.startswith(module_prefix + "."))
+            raise LoadError(
+                f"dequantize: no linear module {module_prefix!r} in this state (no {module_prefix}.weight); "
+                f"its parameters: {near or 'none'}"
+            )
+        if str(weight.dtype).removeprefix("torch.") not in _FP8 and weight.is_floating_point():
+            return weight.float()
+        raise LoadError(
+            f"dequantize: {module_prefix}.weight is {weight.dtype} but the state carries no plan that says how it "
+            f"was quantized; pass the state returned by functional_load.load"
+        )
+    get = _getter(state, module_prefix)
+    if scheme.format in ("fp8", "int8"):
+        return _scaled(plan, module_prefix, scheme, get)
+    if scheme.format == "pack":
+        return _pack_quantized(scheme, get)
+    if scheme.format == "gptq":
+        return _gptq(scheme, get)
+    return _awq(scheme, get)
+
+
+def _getter(state: Mapping[str, Any], module: str):
+    def get(suffix: str) -> Any:
+        try:
+            return state[f"{module}.{suffix}"]
+        except KeyError:
+            raise LoadError(f"dequantize: {module}.{suffix} is missing from the state") from None
+
+    return get
+
+
+def _local_pieces(plan: Any, name: str) -> list[tuple[Any, tuple[int, int]]]:
+    """(segment id, local range) along the split dim of a parameter on the plan's rank."""
+    spec = plan.param(name).spec
+    tp, rank = plan.parallel.tp_size, plan.parallel.rank
+    sharding = spec.sharding
+    if isinstance(sharding, Blocked):
+        tp, rank = (1, 0) if sharding.split.disable_tp else (tp, rank)
+        return [(p.segment, p.dst) for p in blocked_pieces(sharding, tp, rank, fused=False)]
+    if isinstance(sharding, Split):
+        return [(p.segment, p.dst) for p in split_pieces(sharding, tp, rank)]
+    return [(None, (0, spec.local_shape[0] if spec.local_shape else 1))]
+
+
+def _scaled(plan: Any, module: str, scheme: QuantScheme, get: Any) -> Any:
+    import torch
+
+    weight = get("weight").float()
+    scale = get(scheme.scale_name).float()
+    if scheme.strategy == "channel":
+        return weight * scale.reshape(-1, 1)
+    if scheme.strategy == "tensor":
+        slots = plan.param(f"{module}.{scheme.scale_name}").spec.sharding
+        assert isinstance(slots, Slots)
+        weight_sharding = plan.param(f"{module}.weight").spec.sharding
+        per_row = torch.empty(weight.shape[0])
+        if isinstance(weight_sharding, Split) and weight_sharding.dim == 0:
+            for segment, (start, stop) in _local_pieces(plan, f"{module}.weight"):
+                per_row[start:stop] = scale[slots.ids.index(segment)]
+        else:  # row-parallel or replicated: one scale for the whole matrix
+            per_row[:] = scale.reshape(-1)[0]
+        return weight * per_row[:, None]
+    # block: expand each segment's scale blocks over its rows, and blocks over columns
+    bn, bk = scheme.block  # type: ignore[misc]
+    rows, cols = weight.shape
+    blocked = plan.param(f"{module}.{scheme.scale_name}").spec.sharding
+    if isinstance(blocked, Blocked) and blocked.split.dim == 0:
+        weight_rows = dict(_local_pieces(plan, f"{module}.weight"))
+        scale_rows = torch.empty(rows, scale.shape[1])
+        for segment, (b0, b1) in _local_pieces(plan, f"{module}.{scheme.scale_name}"):
+            r0, r1 = weight_rows[segment]
+            scale_rows[r0:r1] = scale[b0:b1].repeat_interleave(bn, dim=0)[: r1 - r0]
+    else:
+        scale_rows = scale.repeat_interleave(bn, dim=0)[:rows]
+    return weight * scale_rows.repeat_interleave(bk, dim=1)[:, :cols]
+
+
+def _groups_of(n: int, scheme: QuantScheme, groups: int) -> Any:
+    import torch
+
+    if groups == 1:
+        return torch.zeros(n, dtype=torch.int64)
+    return torch.arange(n) // scheme.group_size
+
+
+def _pack_quantized(scheme: QuantScheme, get: Any) -> Any:
+    offset = 1 << (scheme.bits - 1)
+    scale = get("weight_scale").float()
+    q = unpack_int32(get("weight_packed"), scheme.bits, dim=1) - offset
+    out = scale.shape[0]
+    in_size = q.shape[1] if scale.shape[1] == 1 else scale.shape[1] * scheme.group_size
+    q = q[:, :in_size]
+    g = _groups_of(in_size, scheme, scale.shape[1])
+    zero = 0
+    if not scheme.symmetric:
+        zero = (unpack_int32(get("weight_zero_point"), scheme.bits, dim=0)[:out] - offset)[:, g]
+    return (q - zero).float() * scale[:, g]
+
+
+def _gptq(scheme: QuantScheme, get: Any) -> Any:
+    import torch
+
+    q = unpack_int32(get("qweight"), scheme.bits, dim=0)  # [in, out]
+    words = get("qzeros")
+    if scheme.zero_offset:  # v1: every field holds zero - 1; add 1 to each, borrows included
+        ones = sum(1 << (scheme.bits * j) for j in range(32 // scheme.bits))
+        words = (words.to(torch.int64) + ones) & 0xFFFFFFFF
+    zeros = unpack_int32(words, scheme.bits, dim=1)  # [groups, out]
+    scales = get("scales").float()
+    g = get("g_idx").to(torch.int64) if scheme.act_order else _groups_of(q.shape[0], scheme, scales.shape[0])
+    return ((q - zeros[g]).float() * scales[g]).T.contiguous()
+
+
+def _awq(scheme: QuantScheme, get: Any) -> Any:
+    q = unpack_int32(get("qweight"), scheme.bits, dim=1, interleave=AWQ_REVERSE_ORDER)  # [in, out]
+    zeros = unpack_int32(get("qzeros"), scheme.bits, dim=1, interleave=AWQ_REVERSE_ORDER)
+    scales = get("scales").float()
+    g = _groups_of(q.shape[0], scheme, scales.shape[0])
+    return ((q - zeros[g]).float() * scales[g]).T.contiguous()
