@@ -220,10 +220,13 @@ def _quark(qc: Mapping[str, Any]) -> QuantConfig:
     """AMD Quark's own config: FP8 (e4m3) weights per tensor or per channel, optional static inputs."""
     glob = qc.get("global_quant_config") or {}
     weight, inputs = glob.get("weight") or {}, glob.get("input_tensors")
-    if weight.get("dtype") != "fp8_e4m3" or qc.get("layer_quant_config") or qc.get("layer_type_quant_config"):
+    # Per-layer entries may only add output (KV-cache) quantization to the global scheme.
+    layers = {**(qc.get("layer_quant_config") or {}), **(qc.get("layer_type_quant_config") or {})}
+    differing = sorted(k for k, v in layers.items() if v.get("weight") != weight or v.get("input_tensors") != inputs)
+    if weight.get("dtype") != "fp8_e4m3" or differing:
         raise ConfigError(
-            f"config.json: Quark quantization with weight dtype {weight.get('dtype')!r} or per-layer configs is not "
-            f"supported; only global FP8 (fp8_e4m3) weights are"
+            f"config.json: Quark quantization with weight dtype {weight.get('dtype')!r} and per-layer schemes "
+            f"{differing} is not supported; only one global FP8 (fp8_e4m3) scheme is"
         )
     strategy = {"per_tensor": "tensor", "per_channel": "channel"}.get(weight.get("qscheme"))
     if strategy is None:
