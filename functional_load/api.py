@@ -8,10 +8,13 @@ from typing import Any
 from .checkpoint.discover import discover
 from .checkpoint.index import index_checkpoint
 from .config import model_dtype, read_config
-from .execute import LoadedState, execute
+from .errors import ConfigError
+from .execute import execute
+from .materialize import to_device
+from .targets import TARGETS, apply_target
 from .layout import Parallel, build_layout
 from .plan import Plan, make_plan
-from .quant.config import parse_quant_config
+from .quant.config import online_quant_config, parse_quant_config
 from .spec import ArchSpec, spec_for_config
 
 
@@ -26,12 +29,14 @@ def plan(
     expert_parallel: bool = False,
     expert_placement: str = "linear",
     num_redundant_experts: int = 0,
+    quantization: str | None = None,
 ) -> Plan:
     """The validated load plan of one rank, from ``config.json`` and the weight-file headers only.
 
     ``expert_parallel=True`` spreads whole MoE experts over the ``tp_size`` ranks
     (``expert_placement`` "linear" or "round_robin"; ``num_redundant_experts`` extra physical
     experts repeat logical ones); the plan then reads no byte of another rank's experts.
+    ``quantization="fp8"`` or ``"fp8_block"`` quantizes an unquantized checkpoint while loading.
     ``spec`` overrides the architecture spec picked from ``config.json``.
     Raises a :class:`~functional_load.LoadError` subclass listing every problem found.
     """
@@ -40,7 +45,8 @@ def plan(
     checkpoint = index_checkpoint(discover(model_dir, load_format))
     arch = spec or spec_for_config(config)
     dtype_name = model_dtype(config, checkpoint, dtype)
-    layout = build_layout(config, arch, parallel, dtype_name, parse_quant_config(config, dtype_name))
+    quant = online_quant_config(quantization, config) if quantization else parse_quant_config(config, dtype_name)
+    layout = build_layout(config, arch, parallel, dtype_name, quant)
     return make_plan(layout, checkpoint)
 
 
@@ -56,14 +62,19 @@ def load(
     expert_parallel: bool = False,
     expert_placement: str = "linear",
     num_redundant_experts: int = 0,
+    quantization: str | None = None,
+    target: str = "checkpoint",
     progress: bool | None = None,
 ) -> dict[str, Any]:
     """The rank-local parameters of ``rank`` out of ``tp_size``, with vLLM names and layouts.
 
     ``dtype=None`` keeps the config's dtype; otherwise tensors are cast. Only the bytes this rank
     keeps are read. Tied aliases (``lm_head.weight``) are the same tensor as their target.
-    MoE options are those of :func:`plan`.
+    MoE and ``quantization`` options are those of :func:`plan`. ``target`` picks the output
+    layout: ``"checkpoint"`` (default), ``"cuda-fp8"`` or ``"rocm-fp8"`` (see :mod:`.targets`).
     """
+    if target not in TARGETS:
+        raise ConfigError(f"target={target!r} is not a known output layout; use one of {TARGETS}")
     the_plan = plan(
         model_dir,
         tp_size=tp_size,
@@ -74,9 +85,9 @@ def load(
         expert_parallel=expert_parallel,
         expert_placement=expert_placement,
         num_redundant_experts=num_redundant_experts,
+        quantization=quantization,
     )
-    state = execute(the_plan, progress=progress)
+    state = apply_target(execute(the_plan, progress=progress), target)
     if str(device) != "cpu":
-        moved: dict[int, Any] = {}
-        state = LoadedState({name: moved.setdefault(id(t), t.to(device)) for name, t in state.items()}, the_plan)
+        state = to_device(state, device)
     return state

@@ -14,20 +14,23 @@ from .dtypes import to_torch, torch_name
 from .errors import CheckpointError
 from .plan import ParamPlan, Plan
 from .sharding import Box
+from .online import quantize_online
 
 # Parameters that hold quantization scales: every element must be finite and positive.
 SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scale", ".scales", ".k_scale", ".v_scale")
 
 
 class LoadedState(dict):  # type: ignore[type-arg]
-    """The ``{name: tensor}`` a load returns, carrying the ``plan`` that made it (for
-    :func:`functional_load.dequantize` and for inspection); otherwise a plain dict."""
+    """The ``{name: tensor}`` a load returns, carrying the ``plan`` that made it and the output
+    ``target`` layout (for :func:`functional_load.dequantize` and inspection); otherwise a dict."""
 
     plan: Plan
+    target: str
 
-    def __init__(self, tensors: dict[str, Any], plan: Plan):
+    def __init__(self, tensors: dict[str, Any], plan: Plan, target: str = "checkpoint"):
         super().__init__(tensors)
         self.plan = plan
+        self.target = target
 
 
 def _index(box: Box) -> tuple[slice, ...]:
@@ -41,11 +44,12 @@ def _bytes(tensor: Any) -> memoryview:
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
-def _materialise(plan: Plan, param: ParamPlan, reader: PreadReader, bar: Any) -> Any:
-    """Allocate one parameter and fill it: defaults, zero padding, then each planned copy."""
+def _materialise(plan: Plan, param: ParamPlan, reader: PreadReader, bar: Any, dtype: str | None = None) -> Any:
+    """Allocate one parameter (in ``dtype``, default its own) and fill it: defaults, zero
+    padding, then each planned copy."""
     import torch
 
-    tensor = torch.empty(param.spec.local_shape, dtype=to_torch(param.spec.dtype))
+    tensor = torch.empty(param.spec.local_shape, dtype=to_torch(dtype or param.spec.dtype))
     if param.fill is not None:
         tensor.fill_(param.fill)
     for box in param.zeros:
@@ -115,6 +119,15 @@ def execute(plan: Plan, *, reader: PreadReader | None = None, progress: bool | N
     try:
         # Scales first: they are small, and a bad one should stop the load before the weights.
         for param in sorted(plan.params, key=lambda p: not p.spec.name.endswith(SCALE_SUFFIXES)):
+            scheme = plan.schemes.get(param.spec.module)
+            if param.spec.derived:
+                continue  # made with its weight below
+            if scheme is not None and scheme.online and param.spec.name.endswith(".weight"):
+                # Online quantization: one rank-local weight in the model dtype at a time.
+                dense = _materialise(plan, param, reader, bar, dtype=plan.dtype)
+                loaded.update(quantize_online(plan, param.spec.module, scheme, dense))
+                del dense
+                continue
             loaded[param.spec.name] = _materialise(plan, param, reader, bar)
             if param.spec.name.endswith(SCALE_SUFFIXES):
                 _check_scale(plan, param, loaded[param.spec.name])

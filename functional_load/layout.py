@@ -96,6 +96,7 @@ class ParamSpec:
     transposed: bool = False
     default: float | None = None  # value when the checkpoint lacks it (KV-cache scales: 1.0)
     fallback: str | None = None  # load from the same tensor as this parameter when absent (v_scale <- k_scale)
+    derived: bool = False  # computed at load from another parameter (scales of online quantization)
 
 
 @dataclass(frozen=True, slots=True)
@@ -317,6 +318,7 @@ def build_layout(
                     sharding=sharding,
                     transposed=transposed and suffix == "weight" and len(shape) == 2,
                     default=1.0 if module.kind == "kv_cache" else None,
+                    derived=name in schemes and schemes[name].online and suffix != "weight",
                     fallback=f"{name}.k_scale" if module.kind == "kv_cache" and suffix == "v_scale" else None,
                 )
         except ShardingError as exc:

@@ -439,6 +439,8 @@ def make_plan(layout: Layout, checkpoint: Checkpoint) -> Plan:
     for spec in params.values():
         wanted = expected_slots(spec, layout.parallel)
         absent = [slot for slot in wanted if (spec.name, slot) not in filled]
+        if spec.derived:
+            continue
         if len(absent) == len(wanted) and spec.fallback in copies:  # v_scale from k_scale's tensor
             copies[spec.name] = list(copies[spec.fallback])
         elif len(absent) == len(wanted) and spec.default is not None:

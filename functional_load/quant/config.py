@@ -234,3 +234,24 @@ def _quark(qc: Mapping[str, Any]) -> QuantConfig:
     static = bool(inputs) and not inputs.get("is_dynamic", True) and inputs.get("qscheme") == "per_tensor"
     scheme = QuantScheme("fp8", strategy=strategy, static_input=static)
     return QuantConfig("quark", scheme, _ignore(qc), kv_cache=bool(qc.get("kv_cache_quant_config")), mapping=(CACHE_SCALES,))
+
+
+ONLINE_METHODS = ("fp8", "fp8_block")
+
+
+def online_quant_config(method: str, config: Mapping[str, Any]) -> QuantConfig:
+    """Quantize an unquantized checkpoint while loading: ``"fp8"`` (per-tensor scale
+    ``amax / 448`` per rank-local weight) or ``"fp8_block"`` (128 x 128 blocks)."""
+    if method not in ONLINE_METHODS:
+        raise ConfigError(f"quantization={method!r} is not supported; use one of {ONLINE_METHODS}")
+    if config.get("quantization_config") is not None:
+        existing = config["quantization_config"].get("quant_method")
+        raise ConfigError(
+            f"quantization={method!r} asks to quantize while loading, but the checkpoint is already quantized "
+            f"({existing!r}); drop the quantization option to load it as stored"
+        )
+    if method == "fp8":
+        scheme = QuantScheme("fp8", strategy="tensor", online=True)
+    else:
+        scheme = QuantScheme("fp8", strategy="block", block=(128, 128), scale_name="weight_scale_inv", online=True)
+    return QuantConfig(f"online-{method}", scheme, mapping=())

@@ -67,7 +67,7 @@ def dequantize(state: Mapping[str, Any], module_prefix: str) -> Any:
         )
     get = _getter(state, module_prefix)
     if scheme.format in ("fp8", "int8"):
-        return _scaled(plan, module_prefix, scheme, get)
+        return _scaled(plan, module_prefix, scheme, get, getattr(state, "target", "checkpoint"))
     if scheme.format == "pack":
         return _pack_quantized(scheme, get)
     if scheme.format == "gptq":
@@ -98,11 +98,15 @@ def _local_pieces(plan: Any, name: str) -> list[tuple[Any, tuple[int, int]]]:
     return [(None, (0, spec.local_shape[0] if spec.local_shape else 1))]
 
 
-def _scaled(plan: Any, module: str, scheme: QuantScheme, get: Any) -> Any:
+def _scaled(plan: Any, module: str, scheme: QuantScheme, get: Any, target: str) -> Any:
     import torch
 
     weight = get("weight").float()
     scale = get(scheme.scale_name).float()
+    if target != "checkpoint" and scheme.strategy in ("tensor", "channel"):
+        weight = weight.T  # kernel layouts hold [in, out]; a per-tensor scale is one scalar
+        if scheme.strategy == "tensor":
+            return weight * scale
     if scheme.strategy == "channel":
         return weight * scale.reshape(-1, 1)
     if scheme.strategy == "tensor":

@@ -86,6 +86,9 @@ class QuantScheme:
     * ``gptq``: ``qweight [in/pf, out]``, ``qzeros [groups, out/pf]``, ``scales [groups, out]``,
       ``g_idx [in]`` with act-order; ``zero_offset`` 1 for v1 checkpoints (stored zero - 1).
     * ``awq``: ``qweight [in, out/pf]`` (interleaved), ``qzeros``, ``scales``.
+
+    ``online`` FP8 schemes read an unquantized weight and quantize it as it is loaded; their
+    scales are derived from the weight, not read.
     """
 
     format: str
@@ -99,6 +102,7 @@ class QuantScheme:
     scale_dtype: str = "float32"
     zero_offset: int = 0
     act_order: bool = False
+    online: bool = False  # the checkpoint holds unquantized weights; quantize them while loading
 
     def __post_init__(self) -> None:
         if self.format not in FP8_FORMATS + INT_FORMATS:
