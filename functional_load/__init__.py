@@ -8,6 +8,7 @@ reads tensor bytes, and each rank reads only the bytes it keeps.
 from .api import load as load
 from .api import plan as plan
 from .execute import LoadedState as LoadedState
+from .jax_load import load_jax as load_jax
 from .quant.dequant import dequantize as dequantize
 from .errors import CheckpointError as CheckpointError
 from .errors import ConfigError as ConfigError
@@ -50,5 +51,6 @@ __all__ = [
     "VocabSplit",
     "dequantize",
     "load",
+    "load_jax",
     "plan",
 ]

@@ -100,6 +100,16 @@ def _check_scale(plan: Plan, param: ParamPlan, tensor: Any) -> None:
         )
 
 
+def load_param(plan: Plan, param: ParamPlan, reader: PreadReader, bar: Any = None) -> Any:
+    """One parameter of the plan's rank as a CPU torch tensor; scales are checked."""
+    if param.spec.derived:
+        raise ValueError(f"{param.spec.name} is computed with its weight by online quantization, not loaded alone")
+    tensor = _materialise(plan, param, reader, bar)
+    if param.spec.name.endswith(SCALE_SUFFIXES):
+        _check_scale(plan, param, tensor)
+    return tensor
+
+
 def execute(plan: Plan, *, reader: PreadReader | None = None, progress: bool | None = None) -> LoadedState:
     """Materialise ``plan`` as rank-local CPU torch tensors, in the plan's parameter order.
 
@@ -128,9 +138,7 @@ def execute(plan: Plan, *, reader: PreadReader | None = None, progress: bool | N
                 loaded.update(quantize_online(plan, param.spec.module, scheme, dense))
                 del dense
                 continue
-            loaded[param.spec.name] = _materialise(plan, param, reader, bar)
-            if param.spec.name.endswith(SCALE_SUFFIXES):
-                _check_scale(plan, param, loaded[param.spec.name])
+            loaded[param.spec.name] = load_param(plan, param, reader, bar)
     finally:
         if bar is not None:
             bar.close()
