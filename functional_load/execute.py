@@ -1,36 +1,71 @@
-"""Run a plan: allocate each rank-local parameter once and fill it in place from the checkpoint.
+"""Run a plan: allocate the rank's parameters once, fill them in place from the checkpoint.
 
-This is the only stage that reads tensor data. Copies whose destination is a contiguous slot
-of the same dtype are read straight into the parameter's memory; a cast or a transpose goes
-through one box-sized temporary.
+This is the only stage that reads tensor data. All parameters live in one 64-byte-aligned,
+pre-faulted arena (so DLPack hands them to JAX without copies, and first-touch page faults are
+paid up front instead of in the middle of reads). Copies run in file-offset order on a few
+threads; a copy whose destination slot is contiguous and of the checkpoint's dtype is read
+straight into it, a cast or transpose goes through one box-sized temporary. Scales are read
+and checked first; online quantization then handles one dense weight at a time.
 """
 
 from __future__ import annotations
 
+import mmap
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
-from .checkpoint.read import PreadReader
-from .dtypes import to_torch, torch_name
+from .checkpoint.read import EagerReader, Reader, ReadOptions, make_reader, should_prefetch
+from .checkpoint.prefetch import Prefetcher
+from .dtypes import to_torch, torch_itemsize, torch_name
 from .errors import CheckpointError
-from .plan import ParamPlan, Plan
-from .sharding import Box
 from .online import quantize_online
+from .plan import Copy, ParamPlan, Plan
+from .sharding import Box, box_volume, full_box
 
-# Parameters that hold quantization scales: every element must be finite and positive.
+# Parameters that hold quantization scales: every element must be finite (and, for FP8/int8
+# and KV-cache scales, positive).
 SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scale", ".scales", ".k_scale", ".v_scale")
+ALIGN = 64
+
+
+@dataclass(frozen=True, slots=True)
+class LoadStats:
+    """What a load did: seconds per stage, bytes read (and prefetched), bytes produced."""
+
+    read_seconds: float
+    transform_seconds: float
+    bytes_read: int
+    bytes_out: int
+    prefetched: int = 0
+    plan_seconds: float = 0.0
+
+    def summary(self) -> str:
+        def rate(n: int, s: float) -> str:
+            return f"{n / s / 1e9:.2f} GB/s" if s > 0 else "-"
+
+        return (
+            f"plan {self.plan_seconds:.3f} s; read {self.bytes_read / 1e6:,.1f} MB in {self.read_seconds:.3f} s "
+            f"({rate(self.bytes_read, self.read_seconds)}); transform {self.transform_seconds:.3f} s; "
+            f"output {self.bytes_out / 1e6:,.1f} MB" + (f"; prefetched {self.prefetched / 1e6:,.1f} MB" if self.prefetched else "")
+        )
 
 
 class LoadedState(dict):  # type: ignore[type-arg]
-    """The ``{name: tensor}`` a load returns, carrying the ``plan`` that made it and the output
-    ``target`` layout (for :func:`functional_load.dequantize` and inspection); otherwise a dict."""
+    """The ``{name: tensor}`` a load returns, carrying the ``plan`` that made it, the output
+    ``target`` layout and the load's ``stats``; otherwise a plain dict."""
 
     plan: Plan
     target: str
+    stats: LoadStats | None
 
-    def __init__(self, tensors: dict[str, Any], plan: Plan, target: str = "checkpoint"):
+    def __init__(self, tensors: dict[str, Any], plan: Plan, target: str = "checkpoint", stats: LoadStats | None = None):
         super().__init__(tensors)
         self.plan = plan
         self.target = target
+        self.stats = stats
 
 
 def _index(box: Box) -> tuple[slice, ...]:
@@ -44,28 +79,61 @@ def _bytes(tensor: Any) -> memoryview:
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
-def _materialise(plan: Plan, param: ParamPlan, reader: PreadReader, bar: Any, dtype: str | None = None) -> Any:
-    """Allocate one parameter (in ``dtype``, default its own) and fill it: defaults, zero
-    padding, then each planned copy."""
+def allocate(specs: list[Any]) -> dict[str, Any]:
+    """One arena for all ``specs``: each tensor starts on a 64-byte boundary. The arena is an
+    anonymous mapping, advised against transparent huge pages (slow to fault on some VMs) and
+    pre-faulted with ``MADV_POPULATE_WRITE`` where the kernel has it."""
     import torch
 
-    tensor = torch.empty(param.spec.local_shape, dtype=to_torch(dtype or param.spec.dtype))
+    offsets, total = {}, 0
+    for spec in specs:
+        offsets[spec.name] = total
+        nbytes = box_volume(full_box(spec.local_shape)) * torch_itemsize(spec.dtype)
+        total += -(-max(nbytes, 1) // ALIGN) * ALIGN
+    if total == 0:
+        return {}
+    arena = mmap.mmap(-1, total)
+    for advice in ("MADV_NOHUGEPAGE", "MADV_POPULATE_WRITE"):
+        if hasattr(mmap, advice):
+            try:
+                arena.madvise(getattr(mmap, advice))
+            except OSError:
+                pass
+    memory = torch.frombuffer(arena, dtype=torch.uint8)
+    out = {}
+    for spec in specs:
+        start = offsets[spec.name]
+        nbytes = box_volume(full_box(spec.local_shape)) * torch_itemsize(spec.dtype)
+        out[spec.name] = memory[start : start + nbytes].view(to_torch(spec.dtype)).view(spec.local_shape)
+    return out
+
+
+def _copy(plan: Plan, tensor: Any, copy: Copy, reader: Reader) -> None:
+    """Fill one planned box of ``tensor``."""
+    import torch
+
+    info = plan.tensors[copy.tensor]
+    dst = tensor[_index(copy.dst)]
+    source_dtype = to_torch(torch_name(info.dtype))
+    if not copy.transpose and source_dtype == tensor.dtype and dst.is_contiguous():
+        reader.read_into(info, copy.src, _bytes(dst))
+    else:
+        tmp = torch.empty(tuple(b - a for a, b in copy.src), dtype=source_dtype)
+        reader.read_into(info, copy.src, _bytes(tmp))
+        dst.copy_((tmp.T if copy.transpose else tmp).reshape(dst.shape))
+
+
+def _prepare(param: ParamPlan, tensor: Any) -> None:
     if param.fill is not None:
         tensor.fill_(param.fill)
     for box in param.zeros:
         tensor[_index(box)].zero_()
-    for copy in param.copies:
-        info = plan.tensors[copy.tensor]
-        dst = tensor[_index(copy.dst)]
-        source_dtype = to_torch(torch_name(info.dtype))
-        if not copy.transpose and source_dtype == tensor.dtype and dst.is_contiguous():
-            reader.read_into(info, copy.src, _bytes(dst))
-        else:
-            tmp = torch.empty(tuple(b - a for a, b in copy.src), dtype=source_dtype)
-            reader.read_into(info, copy.src, _bytes(tmp))
-            dst.copy_((tmp.T if copy.transpose else tmp).reshape(dst.shape))
-        if bar is not None:
-            bar.update(plan.copy_bytes(copy))
+
+
+def _verify_shared(plan: Plan, param: ParamPlan, tensor: Any, reader: Reader) -> None:
+    """Parts of a fused layer that must be identical (act-order ``g_idx``) are compared."""
+    import torch
+
     for check in param.checks:
         info = plan.tensors[check.tensor]
         tmp = torch.empty(tuple(b - a for a, b in check.src), dtype=to_torch(torch_name(info.dtype)))
@@ -75,7 +143,6 @@ def _materialise(plan: Plan, param: ParamPlan, reader: PreadReader, bar: Any, dt
                 f"{param.spec.name}: checkpoint tensors {param.copies[0].tensor!r} and {check.tensor!r} (in "
                 f"{info.file.name}) must be identical for the fused parameter, but differ"
             )
-    return tensor
 
 
 def _check_scale(plan: Plan, param: ParamPlan, tensor: Any) -> None:
@@ -100,51 +167,116 @@ def _check_scale(plan: Plan, param: ParamPlan, tensor: Any) -> None:
         )
 
 
-def load_param(plan: Plan, param: ParamPlan, reader: PreadReader, bar: Any = None) -> Any:
-    """One parameter of the plan's rank as a CPU torch tensor; scales are checked."""
+def load_param(plan: Plan, param: ParamPlan, reader: Reader, dtype: str | None = None) -> Any:
+    """One parameter of the plan's rank as a fresh CPU torch tensor (``dtype``: override the
+    parameter's own, for online quantization); scales are checked."""
+    import torch
+
     if param.spec.derived:
         raise ValueError(f"{param.spec.name} is computed with its weight by online quantization, not loaded alone")
-    tensor = _materialise(plan, param, reader, bar)
+    tensor = torch.empty(param.spec.local_shape, dtype=to_torch(dtype or param.spec.dtype))
+    _prepare(param, tensor)
+    for copy in param.copies:
+        _copy(plan, tensor, copy, reader)
+    _verify_shared(plan, param, tensor, reader)
     if param.spec.name.endswith(SCALE_SUFFIXES):
         _check_scale(plan, param, tensor)
     return tensor
 
 
-def execute(plan: Plan, *, reader: PreadReader | None = None, progress: bool | None = None) -> LoadedState:
+def execute(
+    plan: Plan,
+    *,
+    reader: Reader | None = None,
+    options: ReadOptions | None = None,
+    progress: bool | None = None,
+) -> LoadedState:
     """Materialise ``plan`` as rank-local CPU torch tensors, in the plan's parameter order.
 
     Tied aliases map to the very same tensor object as their canonical parameter.
     ``progress=None`` shows a bar when the plan reads more than a few files.
     """
+    options = options or ReadOptions()
     own_reader = reader is None
-    reader = reader or PreadReader()
+    reader = reader or make_reader(options)
     files = {info.file for info in plan.tensors.values()}
-    show = progress if progress is not None else len(files) > 4
     bar = None
-    if show:
+    if progress if progress is not None else len(files) > 4:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=plan.bytes_to_read, unit="B", unit_scale=True, desc=f"rank {plan.parallel.rank} load")
-    loaded: dict[str, Any] = {}
+    online = {p.spec.name for p in plan.params if _is_online_weight(plan, p)}
+    fixed = [p for p in plan.params if not p.spec.derived and p.spec.name not in online]
+    prefetcher = Prefetcher(plan, options) if should_prefetch(options, plan.model_dir, plan.bytes_to_read) else None
+    start = time.perf_counter()
     try:
-        # Scales first: they are small, and a bad one should stop the load before the weights.
-        for param in sorted(plan.params, key=lambda p: not p.spec.name.endswith(SCALE_SUFFIXES)):
-            scheme = plan.schemes.get(param.spec.module)
-            if param.spec.derived:
-                continue  # made with its weight below
-            if scheme is not None and scheme.online and param.spec.name.endswith(".weight"):
-                # Online quantization: one rank-local weight in the model dtype at a time.
-                dense = _materialise(plan, param, reader, bar, dtype=plan.dtype)
-                loaded.update(quantize_online(plan, param.spec.module, scheme, dense))
+        out = allocate([p.spec for p in fixed])
+        for param in fixed:
+            _prepare(param, out[param.spec.name])
+        # Scales first: small, and a bad one stops the load before the weights are read.
+        scales = [p for p in fixed if p.spec.name.endswith(SCALE_SUFFIXES)]
+        for param in scales:
+            for copy in param.copies:
+                _copy(plan, out[param.spec.name], copy, reader)
+            _check_scale(plan, param, out[param.spec.name])
+        jobs = sorted(
+            ((p, c) for p in fixed if not p.spec.name.endswith(SCALE_SUFFIXES) for c in p.copies),
+            key=lambda job: (str(plan.tensors[job[1].tensor].file), plan.tensors[job[1].tensor].offset, job[1].src),
+        )
+        _run(plan, jobs, out, reader, options.threads, bar)
+        for param in fixed:
+            _verify_shared(plan, param, out[param.spec.name], reader)
+        read_seconds = time.perf_counter() - start
+        transform_start = time.perf_counter()
+        for param in plan.params:  # online quantization: one dense weight at a time
+            if param.spec.name in online:
+                dense = load_param(plan, param, reader, dtype=plan.dtype)
+                out.update(quantize_online(plan, param.spec.module, plan.schemes[param.spec.module], dense))
                 del dense
-                continue
-            loaded[param.spec.name] = load_param(plan, param, reader, bar)
+        transform_seconds = time.perf_counter() - transform_start
     finally:
         if bar is not None:
             bar.close()
+        prefetched = prefetcher.stop() if prefetcher is not None else 0
+        bytes_read = reader.bytes_read
         if own_reader:
             reader.close()
-    out = {p.spec.name: loaded[p.spec.name] for p in plan.params}
+    state = {p.spec.name: out[p.spec.name] for p in plan.params}
     for alias, target in plan.aliases.items():
-        out[alias] = out[target]
-    return LoadedState(out, plan)
+        state[alias] = state[target]
+    out_bytes = sum(t.numel() * t.element_size() for t in {id(t): t for t in state.values()}.values())
+    stats = LoadStats(read_seconds, transform_seconds, bytes_read, out_bytes, prefetched)
+    return LoadedState(state, plan, stats=stats)
+
+
+def _is_online_weight(plan: Plan, param: ParamPlan) -> bool:
+    scheme = plan.schemes.get(param.spec.module)
+    return scheme is not None and scheme.online and param.spec.name.endswith(".weight")
+
+
+def _run(plan: Plan, jobs: list[tuple[ParamPlan, Copy]], out: dict[str, Any], reader: Reader, threads: int, bar: Any) -> None:
+    """Run copies in file order; with several threads, reads overlap (``preadv`` releases the GIL).
+    An eager reader drops each file's buffer after its last copy."""
+    remaining = Counter(str(plan.tensors[c.tensor].file) for _, c in jobs)
+
+    def run(job: tuple[ParamPlan, Copy]) -> None:
+        param, copy = job
+        _copy(plan, out[param.spec.name], copy, reader)
+        if bar is not None:
+            bar.update(plan.copy_bytes(copy))
+
+    def done(job: tuple[ParamPlan, Copy]) -> None:
+        info = plan.tensors[job[1].tensor]
+        remaining[str(info.file)] -= 1
+        if isinstance(reader, EagerReader) and remaining[str(info.file)] == 0:
+            reader.release(info.file)
+
+    if threads <= 1 or len(jobs) < 2:
+        for job in jobs:
+            run(job)
+            done(job)
+        return
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="functional-load") as pool:
+        for job, future in [(job, pool.submit(run, job)) for job in jobs]:
+            future.result()
+            done(job)

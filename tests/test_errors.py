@@ -345,9 +345,26 @@ def test_shard_truncated_after_planning(llama_dir, tmp_path):
         execute(the_plan)
     message = str(info.value)
     assert str(shard) in message
-    assert repr(last.name) in message
-    assert "ends early" in message
-    assert f"read {last.nbytes - 3} of {last.nbytes} bytes" in message
+    # caught before reading: the file is shorter than its header promised (a tensor of it named)
+    assert "truncated" in message
+    assert f"now has {shard.stat().st_size}" in message
+    assert any(repr(t.name) in message for t in the_plan.tensors.values() if t.file == shard)
+
+
+def test_short_read_inside_a_tensor_is_an_error(tmp_path):
+    """The reader's own check, when a file shrinks between the size check and the read."""
+    from functional_load.checkpoint import TensorInfo
+    from functional_load.checkpoint.read import _pread_full
+
+    path = tmp_path / "short.bin"
+    path.write_bytes(b"x" * 10)
+    info = TensorInfo("t", path, "U8", (16,), 0, 16)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(CheckpointError, match=r"ends early: read 10 of 16 bytes"):
+            _pread_full(fd, memoryview(bytearray(16)), 0, info)
+    finally:
+        os.close(fd)
 
 
 def test_shard_truncated_before_planning(llama_dir, tmp_path):

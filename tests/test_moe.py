@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 
 import functional_load as fl
 from functional_load import Parallel, PlanError, ShardingError
-from functional_load.checkpoint.read import PreadReader
+from functional_load.checkpoint.read import PreadReader, ReadOptions
 from functional_load.execute import execute
 from functional_load.sharding import compute_local_expert_ids, local_expert_slots
 from functional_load.testing.checkpoints import list_tensors, read_checkpoint_tensors
@@ -394,8 +394,8 @@ def test_expert_parallel_reads_only_local_experts(tiny_checkpoint, arch, fused, 
             assert dropped == {n for n in tensors if expert_of(n) and expert_of(n)[1] not in local}
 
         reader = RecordingReader()
-        with reader:
-            execute(the_plan, reader=reader, progress=False)
+        with reader:  # one thread: the per-tensor tally reads a shared counter
+            execute(the_plan, reader=reader, options=ReadOptions(threads=1), progress=False)
         assert reader.bytes_read == the_plan.bytes_to_read
 
         expert_bytes = sum(b for n, b in reader.by_tensor.items() if is_expert[n])

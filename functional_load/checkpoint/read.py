@@ -1,22 +1,42 @@
 """Readers: the only code that touches tensor bytes.
 
-A reader copies a box of a checkpoint tensor into a caller-owned byte buffer, reading exactly
-the bytes of that box with positional reads (``preadv``): no mmap, no read-then-narrow.
-Every reader counts the bytes it reads, so tests can prove what a rank touched.
+A reader copies a box of a checkpoint tensor into a caller-owned byte buffer. Strategies:
+
+* ``pread`` (:class:`PreadReader`): positional reads (``preadv``) of exactly the box's byte runs,
+  straight into the destination. A box made of many short runs (a row-parallel slice: one run
+  per row) may be read as one sequential span and scattered when the span is at most
+  ``max_over_read`` times the needed bytes; ``direct=True`` uses ``O_DIRECT``.
+* ``mmap`` (:class:`MmapReader`): a read-only shared mapping per file; boxes are copied with
+  numpy from the mapping (fastest when the file is in the page cache).
+* ``eager`` (:class:`EagerReader`): each file read whole, sequentially, into memory once, boxes
+  copied from there (for filesystems where random reads are slow).
+
+Every reader counts the bytes it asks the OS for (``bytes_read``), so tests can prove what a
+rank touched, and re-checks each file's size before reading, so a file truncated after planning
+is an error, never a crash or silently different bytes.
 """
 
 from __future__ import annotations
 
 import math
+import mmap
 import os
+import threading
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
 from ..dtypes import itemsize
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ConfigError
 from ..sharding import Box
 from . import TensorInfo
+
+STRATEGIES = ("auto", "pread", "mmap", "eager")
+NETWORK_FILESYSTEMS = ("nfs", "nfs4", "lustre", "virtiofs", "ceph", "fuse.ceph", "fuse.juicefs", "gpfs", "beegfs")
+MiB = 1 << 20
+_ALIGN = 4096
 
 
 def byte_runs(shape: tuple[int, ...], box: Box, item: int) -> tuple[np.ndarray, int]:
@@ -44,21 +64,109 @@ def byte_runs(shape: tuple[int, ...], box: Box, item: int) -> tuple[np.ndarray, 
     return offsets, run
 
 
+@dataclass(frozen=True, slots=True)
+class ReadOptions:
+    """How a load reads bytes. ``strategy="auto"`` picks by measurement (docs/performance.md).
+
+    ``prefetch=None`` turns prefetching on automatically on network filesystems when the bytes
+    to read fit in 90 % of available memory; ``threads`` readers work in parallel.
+    """
+
+    strategy: str = "auto"
+    threads: int = 2
+    prefetch: bool | None = None
+    prefetch_threads: int = 8
+    prefetch_block_size: int = 16 * MiB
+    direct: bool = False
+    max_over_read: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(f"read strategy {self.strategy!r} is unknown; use one of {STRATEGIES}")
+        for name in ("threads", "prefetch_threads", "prefetch_block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if not self.max_over_read >= 1.0:
+            raise ConfigError(f"max_over_read must be >= 1.0 (1.0 reads exactly the needed bytes), got {self.max_over_read!r}")
+        if self.direct and self.strategy not in ("pread", "auto"):
+            raise ConfigError(f"direct=True (O_DIRECT) needs the pread strategy, not {self.strategy!r}")
+        if self.max_over_read != 1.0 and self.strategy not in ("pread", "auto"):
+            raise ConfigError(f"max_over_read applies to the pread strategy only, not {self.strategy!r}")
+        if self.prefetch and self.strategy == "eager":
+            raise ConfigError("prefetch=True with strategy='eager' is contradictory: eager already reads every file whole")
+        if self.prefetch and self.direct:
+            raise ConfigError("prefetch=True warms the page cache, which direct=True (O_DIRECT) bypasses; pick one")
+
+
+class Reader(Protocol):
+    bytes_read: int
+
+    def read_into(self, info: TensorInfo, box: Box, out: memoryview) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class _Files:
+    """Open files, checked against the size recorded when they were indexed."""
+
+    def __init__(self, flags: int = 0):
+        self._fds: dict[Path, int] = {}
+        self._flags = flags
+        self._lock = threading.Lock()
+
+    def fd(self, info: TensorInfo) -> int:
+        fd = self._fds.get(info.file)
+        if fd is None:
+            with self._lock:
+                fd = self._fds.get(info.file)
+                if fd is None:
+                    fd = os.open(info.file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | self._flags)
+                    self._fds[info.file] = fd
+        if os.fstat(fd).st_size < info.offset + info.nbytes:
+            raise CheckpointError(
+                f"{info.file}: tensor {info.name!r} needs bytes up to {info.offset + info.nbytes}, but the file now has "
+                f"{os.fstat(fd).st_size}; it was truncated or replaced after it was indexed"
+            )
+        return fd
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+def _pread_full(fd: int, target: memoryview, offset: int, info: TensorInfo) -> int:
+    """Fill ``target`` from ``offset``; short reads are legal, end of file is an error."""
+    got = 0
+    while got < target.nbytes:
+        more = os.preadv(fd, [target[got:]], offset + got)
+        if more == 0:
+            raise CheckpointError(
+                f"{info.file}: tensor {info.name!r} ends early: read {got} of {target.nbytes} bytes at offset "
+                f"{offset}; the file was truncated or changed after it was indexed"
+            )
+        got += more
+    return got
+
+
 class PreadReader:
     """Positional reads into destination buffers; one file descriptor per file, opened lazily.
 
-    ``bytes_read`` counts tensor bytes read (not headers).
+    ``bytes_read`` counts tensor bytes read (not headers). Safe to use from several threads.
     """
 
-    def __init__(self) -> None:
-        self._fds: dict[Path, int] = {}
+    def __init__(self, *, max_over_read: float = 1.0, direct: bool = False, chunk_bytes: int = 16 * MiB) -> None:
+        self._files = _Files(getattr(os, "O_DIRECT", 0) if direct else 0)
+        self._direct = direct
+        self._max_over_read = max_over_read
+        self._chunk = chunk_bytes
+        self._count_lock = threading.Lock()
         self.bytes_read = 0
 
-    def _fd(self, path: Path) -> int:
-        fd = self._fds.get(path)
-        if fd is None:
-            fd = self._fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        return fd
+    def _count(self, n: int) -> None:
+        with self._count_lock:
+            self.bytes_read += n
 
     def read_into(self, info: TensorInfo, box: Box, out: memoryview) -> None:
         """Fill ``out`` (a writable, C-contiguous byte buffer of the box's size) with ``box`` of ``info``."""
@@ -67,28 +175,64 @@ class PreadReader:
             raise ValueError(f"{info.name}: buffer of {out.nbytes} bytes for a box of {run * len(offsets)} bytes")
         if run == 0:
             return
-        fd = self._fd(info.file)
+        fd = self._files.fd(info)
+        span = int(offsets[-1]) + run - int(offsets[0])
+        if self._direct:
+            self._read_direct(fd, info, offsets, run, out)
+        elif len(offsets) > 1 and span <= self._max_over_read * run * len(offsets):
+            self._read_span(fd, info, offsets, run, out)
+        else:
+            position = 0
+            for offset in offsets.tolist():
+                position += _pread_full(fd, out[position : position + run], info.offset + offset, info)
+            self._count(position)
+
+    def _read_span(self, fd: int, info: TensorInfo, offsets: np.ndarray, run: int, out: memoryview) -> None:
+        """Read runs with equal gaps as big sequential chunks and scatter them (row-parallel slices)."""
+        stride = int(offsets[1] - offsets[0]) if len(offsets) > 1 else run
+        if not np.all(np.diff(offsets) == stride):
+            for i, offset in enumerate(offsets.tolist()):
+                self._count(_pread_full(fd, out[i * run : (i + 1) * run], info.offset + offset, info))
+            return
+        rows_per_chunk = max(1, self._chunk // stride)
+        dest = np.frombuffer(out, dtype=np.uint8).reshape(len(offsets), run)
+        scratch = np.empty(rows_per_chunk * stride, dtype=np.uint8)
+        for first in range(0, len(offsets), rows_per_chunk):
+            rows = min(rows_per_chunk, len(offsets) - first)
+            length = (rows - 1) * stride + run
+            view = memoryview(scratch)[:length]
+            self._count(_pread_full(fd, view, info.offset + int(offsets[first]), info))
+            strided = np.lib.stride_tricks.as_strided(scratch, shape=(rows, run), strides=(stride, 1))
+            np.copyto(dest[first : first + rows], strided)
+
+    def _read_direct(self, fd: int, info: TensorInfo, offsets: np.ndarray, run: int, out: memoryview) -> None:
+        """O_DIRECT: read page-aligned ranges around each run into an aligned scratch buffer."""
         position = 0
         for offset in offsets.tolist():
-            target = out[position : position + run]
-            got = os.preadv(fd, [target], info.offset + offset)
-            while 0 < got < run:  # short reads are legal; finish the run
-                more = os.preadv(fd, [target[got:]], info.offset + offset + got)
-                if more == 0:
-                    break
-                got += more
-            if got != run:
-                raise CheckpointError(
-                    f"{info.file}: tensor {info.name!r} ends early: read {got} of {run} bytes at offset "
-                    f"{info.offset + offset}; the file was truncated or changed after it was indexed"
-                )
+            start = info.offset + offset
+            lo, hi = start // _ALIGN * _ALIGN, -(-(start + run) // _ALIGN) * _ALIGN
+            scratch = mmap.mmap(-1, hi - lo)
+            try:
+                view = memoryview(scratch)
+                got = 0
+                while got < hi - lo:
+                    more = os.preadv(fd, [view[got:]], lo + got)
+                    if more == 0:
+                        break
+                    got += more
+                if got < start + run - lo:
+                    raise CheckpointError(
+                        f"{info.file}: tensor {info.name!r} ends early at offset {lo + got}; the file was truncated"
+                    )
+                self._count(got)
+                out[position : position + run] = view[start - lo : start - lo + run]
+                view.release()
+            finally:
+                scratch.close()
             position += run
-        self.bytes_read += position
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        self._files.close()
 
     def __enter__(self) -> PreadReader:
         return self
@@ -96,3 +240,144 @@ class PreadReader:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+
+class MmapReader:
+    """Copies boxes out of a read-only shared mapping of each file (numpy strided copies).
+
+    ``bytes_read`` counts the bytes of the boxes copied; the kernel may fault in more (whole
+    pages, readahead), which is why this strategy is for page-cache-hot files.
+    """
+
+    def __init__(self) -> None:
+        self._files = _Files()
+        self._maps: dict[Path, mmap.mmap] = {}
+        self._lock = threading.Lock()
+        self.bytes_read = 0
+
+    def _source(self, info: TensorInfo) -> mmap.mmap | memoryview:
+        fd = self._files.fd(info)
+        with self._lock:
+            m = self._maps.get(info.file)
+            if m is None or len(m) < info.offset + info.nbytes:
+                m = self._maps[info.file] = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+            return m
+
+    def _copied(self, nbytes: int) -> None:
+        with self._lock:
+            self.bytes_read += nbytes
+
+    def read_into(self, info: TensorInfo, box: Box, out: memoryview) -> None:
+        item = itemsize(info.dtype)
+        source = np.frombuffer(self._source(info), dtype=np.uint8, count=info.nbytes, offset=info.offset)
+        shape = info.shape or (1,)
+        source = source.reshape(shape[:-1] + (shape[-1] * item,))
+        last = (slice(box[-1][0] * item, box[-1][1] * item),) if box else (slice(None),)
+        part = source[tuple(slice(a, b) for a, b in box[:-1]) + last]
+        np.copyto(np.frombuffer(out, dtype=np.uint8).reshape(part.shape), part)
+        self._copied(part.nbytes)
+
+    def close(self) -> None:
+        for m in self._maps.values():
+            try:
+                m.close()
+            except BufferError:  # a caller still holds a view; the mapping goes when it does
+                pass
+        self._maps.clear()
+        self._files.close()
+
+    def __enter__(self) -> MmapReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class EagerReader(MmapReader):
+    """Reads each file whole, sequentially, on first use, then copies boxes from memory."""
+
+    def __init__(self, block_size: int = 16 * MiB) -> None:
+        super().__init__()
+        self._block = block_size
+        self._buffers: dict[Path, memoryview] = {}
+
+    def _source(self, info: TensorInfo) -> memoryview:
+        with self._lock:
+            buffer = self._buffers.get(info.file)
+        if buffer is None:
+            fd = self._files.fd(info)
+            size = os.fstat(fd).st_size
+            buffer = memoryview(bytearray(size))
+            done = 0
+            while done < size:
+                done += _pread_full(fd, buffer[done : min(size, done + self._block)], done, info)
+            with self._lock:
+                if info.file not in self._buffers:
+                    self._buffers[info.file] = buffer
+                    self.bytes_read += size
+                buffer = self._buffers[info.file]
+        return buffer
+
+    def _copied(self, nbytes: int) -> None:
+        pass  # counted when the whole file was read
+
+    def release(self, path: Path) -> None:
+        """Drop a file's buffer once nothing more is read from it."""
+        with self._lock:
+            self._buffers.pop(path, None)
+
+    def close(self) -> None:
+        self._buffers.clear()
+        super().close()
+
+
+def filesystem_type(path: str | os.PathLike) -> str:
+    """The filesystem type of ``path`` (longest matching mount point in /proc/mounts)."""
+    best, kind = "", "unknown"
+    try:
+        target = os.path.realpath(path)
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 3 and (target == parts[1] or target.startswith(parts[1].rstrip("/") + "/")):
+                    if len(parts[1]) > len(best):
+                        best, kind = parts[1], parts[2]
+    except OSError:
+        pass
+    return kind
+
+
+def available_memory() -> int:
+    """MemAvailable, capped by a cgroup v2 memory limit when there is one."""
+    available = 0
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    except OSError:
+        return 0
+    try:
+        limit = open("/sys/fs/cgroup/memory.max").read().strip()
+        used = int(open("/sys/fs/cgroup/memory.current").read())
+        if limit != "max":
+            available = min(available, int(limit) - used)
+    except OSError:
+        pass
+    return available
+
+
+def should_prefetch(options: ReadOptions, model_dir: str | os.PathLike, bytes_to_read: int) -> bool:
+    """vLLM's rule, extended: prefetch on network filesystems when the reads fit in 90 % of RAM."""
+    if options.prefetch is not None:
+        return options.prefetch
+    return filesystem_type(model_dir) in NETWORK_FILESYSTEMS and bytes_to_read <= 0.9 * available_memory()
+
+
+def make_reader(options: ReadOptions) -> Reader:
+    """The reader for ``options`` (``auto``: exact preads, with row-parallel slices read as spans
+    when ``max_over_read`` allows)."""
+    if options.strategy == "mmap":
+        return MmapReader()
+    if options.strategy == "eager":
+        return EagerReader(options.prefetch_block_size)
+    return PreadReader(max_over_read=options.max_over_read, direct=options.direct)
