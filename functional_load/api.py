@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import time
+from dataclasses import replace
 from typing import Any
 
 from .checkpoint.discover import discover
+from .checkpoint.read import ReadOptions
 from .checkpoint.index import index_checkpoint
 from .config import model_dtype, read_config
 from .errors import ConfigError
@@ -65,6 +68,13 @@ def load(
     quantization: str | None = None,
     target: str = "checkpoint",
     progress: bool | None = None,
+    strategy: str = "auto",
+    threads: int = 2,
+    prefetch: bool | None = None,
+    prefetch_threads: int = 8,
+    prefetch_block_size: int = 16 << 20,
+    direct: bool = False,
+    max_over_read: float = 1.0,
 ) -> dict[str, Any]:
     """The rank-local parameters of ``rank`` out of ``tp_size``, with vLLM names and layouts.
 
@@ -72,9 +82,18 @@ def load(
     keeps are read. Tied aliases (``lm_head.weight``) are the same tensor as their target.
     MoE and ``quantization`` options are those of :func:`plan`. ``target`` picks the output
     layout: ``"checkpoint"`` (default), ``"cuda-fp8"`` or ``"rocm-fp8"`` (see :mod:`.targets`).
+
+    Reading (see :class:`~functional_load.checkpoint.read.ReadOptions` and docs/performance.md):
+    ``strategy`` "auto" | "pread" | "mmap" | "eager"; ``threads`` parallel readers; ``prefetch``
+    (``None``: automatic on network filesystems) with ``prefetch_threads`` and
+    ``prefetch_block_size``; ``direct`` (O_DIRECT); ``max_over_read`` (read a row-parallel slice
+    as one span when that reads at most this many times the needed bytes). Contradictory options
+    raise a ConfigError before anything is read.
     """
     if target not in TARGETS:
         raise ConfigError(f"target={target!r} is not a known output layout; use one of {TARGETS}")
+    options = ReadOptions(strategy, threads, prefetch, prefetch_threads, prefetch_block_size, direct, max_over_read)
+    start = time.perf_counter()
     the_plan = plan(
         model_dir,
         tp_size=tp_size,
@@ -87,7 +106,13 @@ def load(
         num_redundant_experts=num_redundant_experts,
         quantization=quantization,
     )
-    state = apply_target(execute(the_plan, progress=progress), target)
+    plan_seconds = time.perf_counter() - start
+    state = execute(the_plan, options=options, progress=progress)
+    state.stats = replace(state.stats, plan_seconds=plan_seconds)
+    transform_start = time.perf_counter()
+    state = apply_target(state, target)
+    if target != "checkpoint":
+        state.stats = replace(state.stats, transform_seconds=state.stats.transform_seconds + time.perf_counter() - transform_start)
     if str(device) != "cpu":
         state = to_device(state, device)
     return state

@@ -46,4 +46,4 @@ def to_device(state: Any, device: Any) -> Any:
         out[name] = moved[id(tensor)]
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    return LoadedState(out, state.plan, state.target)
+    return LoadedState(out, state.plan, state.target, state.stats)

@@ -71,4 +71,4 @@ def apply_target(state: Any, target: str) -> Any:
         for name in list(out):
             if name.endswith((".attn.k_scale", ".attn.v_scale")):
                 out[name] = out[name] * 2
-    return LoadedState(out, plan, target)
+    return LoadedState(out, plan, target, state.stats)
