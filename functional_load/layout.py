@@ -259,6 +259,8 @@ def local_shape(shape: tuple[int, ...], sharding: Sharding, parallel: Parallel) 
     if isinstance(sharding, Slots):
         return (len(sharding.ids),)
     if isinstance(sharding, Blocked):
+        for other in range(parallel.tp_size):  # every rank accepts the split, or none does
+            blocked_pieces(sharding, parallel.tp_size, other, fused=False)
         pieces = blocked_pieces(sharding, parallel.tp_size, parallel.rank, fused=False)
         rows = sum(p.dst[1] - p.dst[0] for p in pieces)
         dim = sharding.split.dim
