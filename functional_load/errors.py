@@ -21,6 +21,19 @@ class MissingFileError(CheckpointError, FileNotFoundError):
     """A weight file that must exist does not (also a ``FileNotFoundError``)."""
 
 
+class FormatError(CheckpointError):
+    """A file is not what its format says: malformed header, JSON, index or pickle archive."""
+
+
+class IntegrityError(CheckpointError):
+    """A file does not match what was recorded: truncated, changed during the load, wrong size or hash."""
+
+
+class SecurityError(CheckpointError):
+    """The input would make the loader run code or read outside the model directory: pickles without
+    ``allow_pickle=True``, paths that escape, special files."""
+
+
 class ConfigError(LoadError):
     """``config.json`` or an architecture spec is missing, malformed or unsupported."""
 

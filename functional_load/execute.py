@@ -234,6 +234,7 @@ def execute(
                 out.update(quantize_online(plan, param.spec.module, plan.schemes[param.spec.module], dense))
                 del dense
         transform_seconds = time.perf_counter() - transform_start
+        verify_unchanged(plan)
     finally:
         if bar is not None:
             bar.close()
@@ -247,6 +248,24 @@ def execute(
     out_bytes = sum(t.numel() * t.element_size() for t in {id(t): t for t in state.values()}.values())
     stats = LoadStats(read_seconds, transform_seconds, bytes_read, out_bytes, prefetched)
     return LoadedState(state, plan, stats=stats)
+
+
+def verify_unchanged(plan: Plan) -> None:
+    """After reading: every file read is still the one indexed (an in-place rewrite during the
+    load would otherwise go unnoticed)."""
+    import os
+
+    from .checkpoint.read import check_unchanged
+
+    seen = set()
+    for info in plan.tensors.values():
+        if info.file not in seen:
+            seen.add(info.file)
+            try:
+                st = os.stat(info.file)
+            except OSError as exc:
+                raise CheckpointError(f"{info.file}: disappeared during the load ({exc})") from None
+            check_unchanged(info, st)
 
 
 def _is_online_weight(plan: Plan, param: ParamPlan) -> bool:

@@ -91,11 +91,19 @@ def e8m0_scales_to_fnuz(scales: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(jnp.minimum(bits + 1, 254).astype(jnp.uint8), jnp.float8_e8m0fnu)
 
 
+def _amax_scale(amax: jax.Array) -> jax.Array:
+    """``amax / 448`` correctly rounded (1.0 where ``amax`` is 0). XLA rewrites a division by a
+    constant into a multiplication by its reciprocal, and 1/448 is inexact: about half of all
+    scales would come out one ulp off vLLM's ``amax / fp8_max``. The barrier keeps a true division."""
+    divisor = jax.lax.optimization_barrier(jnp.full(amax.shape, FP8_MAX, jnp.float32))
+    return jnp.where(amax > 0, amax / divisor, jnp.float32(1.0))
+
+
 @jax.jit
 def quantize_fp8_per_tensor(weight: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Online FP8: ``scale = amax / 448`` over the whole (rank-local) tensor, then static quantization."""
     amax = jnp.max(jnp.abs(weight.astype(jnp.float32)))
-    scale = jnp.where(amax > 0, amax / FP8_MAX, jnp.float32(1.0))
+    scale = _amax_scale(amax)
     return quantize_fp8_static(weight, scale), scale
 
 
@@ -109,7 +117,7 @@ def quantize_fp8_block(weight: jax.Array, block: tuple[int, int] = (128, 128)) -
     padded = jnp.zeros((nr * bn, nc * bk), jnp.float32).at[:rows, :cols].set(weight.astype(jnp.float32))
     tiles = padded.reshape(nr, bn, nc, bk)
     amax = jnp.max(jnp.abs(tiles), axis=(1, 3))
-    scales = jnp.where(amax > 0, amax / FP8_MAX, jnp.float32(1.0))
+    scales = _amax_scale(amax)
     expanded = jnp.repeat(jnp.repeat(scales, bn, axis=0), bk, axis=1)[:rows, :cols]
     quantized = jnp.clip(weight.astype(jnp.float32) * (jnp.float32(1.0) / expanded), -FP8_MAX, FP8_MAX)
     return quantized.astype(jnp.float8_e4m3fn), scales

@@ -5,6 +5,7 @@ Everything here except the readers works from file names and headers only; no te
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -25,6 +26,22 @@ class TensorInfo:
     shape: tuple[int, ...]
     offset: int
     nbytes: int
+    stamp: FileStamp | None = None  # the file as it was indexed; readers refuse a changed file
+
+
+@dataclass(frozen=True, slots=True)
+class FileStamp:
+    """Identity of a file's contents as far as ``stat`` can tell: a file replaced, rewritten or
+    truncated after indexing no longer matches."""
+
+    size: int
+    mtime_ns: int
+    inode: int
+    device: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> FileStamp:
+        return cls(st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
 
 
 @dataclass(frozen=True, slots=True)

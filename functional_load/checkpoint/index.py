@@ -12,12 +12,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-from functional_load.checkpoint import Checkpoint, TensorInfo
+from functional_load.checkpoint import Checkpoint, FileStamp, TensorInfo
 from functional_load.checkpoint.discover import WeightFiles, strict_json_loads
 from functional_load.dtypes import SAFETENSORS_DTYPES, itemsize
-from functional_load.errors import CheckpointError
+from functional_load.errors import CheckpointError, FormatError, IntegrityError
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # same cap as the safetensors library
+MAX_TENSORS = 1_000_000  # a header this large is a denial of service, not a model
+MAX_NAME_LENGTH = 1024
 
 
 def _pread_exact(fd: int, size: int, offset: int) -> bytes:
@@ -35,81 +37,111 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _parse_entry(path: Path, name: str, entry: Any, data_start: int, file_size: int) -> TensorInfo:
+def _parse_entry(path: Path, name: str, entry: Any, data_start: int, file_size: int, stamp: FileStamp) -> TensorInfo:
     where = f"{path}: tensor {name!r}"
     if not isinstance(entry, dict):
-        raise CheckpointError(f"{where}: expected an object with dtype/shape/data_offsets, found {entry!r:.200}")
+        raise FormatError(f"{where}: expected an object with dtype/shape/data_offsets, found {entry!r:.200}")
+    unknown = set(entry) - {"dtype", "shape", "data_offsets"}
+    if unknown:
+        raise FormatError(f"{where}: unknown fields {sorted(unknown)}; a tensor entry has only dtype, shape, data_offsets")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
     if dtype not in SAFETENSORS_DTYPES:
-        raise CheckpointError(f"{where}: dtype {dtype!r} is not one of {sorted(SAFETENSORS_DTYPES)}")
+        raise FormatError(f"{where}: dtype {dtype!r} is not one of {sorted(SAFETENSORS_DTYPES)}")
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-        raise CheckpointError(f"{where}: shape must be a list of non-negative integers, found {shape!r}")
+        raise FormatError(f"{where}: shape must be a list of non-negative integers, found {shape!r}")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)):
-        raise CheckpointError(f"{where}: data_offsets must be [begin, end] integers, found {offsets!r}")
+        raise FormatError(f"{where}: data_offsets must be [begin, end] integers, found {offsets!r}")
     begin, end = offsets
     if not 0 <= begin <= end:
-        raise CheckpointError(f"{where}: data_offsets [{begin}, {end}] must satisfy 0 <= begin <= end")
+        raise FormatError(f"{where}: data_offsets [{begin}, {end}] must satisfy 0 <= begin <= end")
     expected = math.prod(shape) * itemsize(dtype)
     if end - begin != expected:
-        raise CheckpointError(
+        raise FormatError(
             f"{where}: data_offsets [{begin}, {end}] span {end - begin} bytes but {dtype} shape {shape} "
             f"needs {expected} bytes"
         )
     if data_start + end > file_size:
-        raise CheckpointError(
+        raise IntegrityError(
             f"{where}: data ends at byte {data_start + end} but the file has only {file_size} bytes "
             "(truncated file? re-download it)"
         )
-    return TensorInfo(name, path, dtype, tuple(shape), data_start + begin, end - begin)
+    return TensorInfo(name, path, dtype, tuple(shape), data_start + begin, end - begin, stamp)
 
 
 def read_header(path: Path) -> dict[str, TensorInfo]:
     """Every tensor of one safetensors file, in data-offset order, validated against the file size."""
     path = Path(path)
     with open(path, "rb") as f:
-        file_size = os.fstat(f.fileno()).st_size
+        stamp = FileStamp.of(os.fstat(f.fileno()))
+        file_size = stamp.size
         prefix = _pread_exact(f.fileno(), 8, 0)
         if len(prefix) < 8:
-            raise CheckpointError(f"{path}: expected an 8-byte header length, but the file has {file_size} bytes")
+            raise FormatError(f"{path}: expected an 8-byte header length, but the file has {file_size} bytes")
         n = int.from_bytes(prefix, "little")
         if n > MAX_HEADER_BYTES:
-            raise CheckpointError(f"{path}: header length {n} exceeds the cap of {MAX_HEADER_BYTES} bytes")
+            raise FormatError(f"{path}: header length {n} exceeds the cap of {MAX_HEADER_BYTES} bytes")
         if 8 + n > file_size:
-            raise CheckpointError(
+            raise FormatError(
                 f"{path}: header length {n} needs {8 + n} bytes but the file has {file_size} "
                 "(not a safetensors file, or truncated)"
             )
         raw = _pread_exact(f.fileno(), n, 8)
     if len(raw) != n:  # the file shrank while we read it
-        raise CheckpointError(f"{path}: expected {n} header bytes, read {len(raw)}")
+        raise IntegrityError(f"{path}: expected {n} header bytes, read {len(raw)}")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise CheckpointError(f"{path}: header is not valid UTF-8 ({exc})") from exc
+        raise FormatError(f"{path}: header is not valid UTF-8 ({exc})") from exc
     header = strict_json_loads(text, f"{path}: header")
     if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: header must be a JSON object, found {type(header).__name__}")
+        raise FormatError(f"{path}: header must be a JSON object, found {type(header).__name__}")
     metadata = header.pop("__metadata__", None)
     if metadata is not None and not (
         isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
     ):
-        raise CheckpointError(f"{path}: __metadata__ must be an object of string values, found {metadata!r:.200}")
+        raise FormatError(f"{path}: __metadata__ must be an object of string values, found {metadata!r:.200}")
+    if len(header) > MAX_TENSORS:
+        raise FormatError(f"{path}: the header declares {len(header)} tensors, more than the cap of {MAX_TENSORS}")
+    for name in header:
+        _check_name(path, name)
 
     data_start = 8 + n
-    infos = [_parse_entry(path, name, entry, data_start, file_size) for name, entry in header.items()]
+    infos = [_parse_entry(path, name, entry, data_start, file_size, stamp) for name, entry in header.items()]
     infos.sort(key=lambda t: (t.offset, t.name))
     previous: TensorInfo | None = None
     for info in infos:
         if info.nbytes == 0:  # an empty range overlaps nothing
             continue
         if previous is not None and info.offset < previous.offset + previous.nbytes:
-            raise CheckpointError(
+            raise FormatError(
                 f"{path}: tensor {info.name!r} data [{info.offset - data_start}, "
                 f"{info.offset - data_start + info.nbytes}] overlaps tensor {previous.name!r} data "
                 f"[{previous.offset - data_start}, {previous.offset - data_start + previous.nbytes}]"
             )
+        if previous is None and info.offset != data_start or previous is not None and info.offset != previous.offset + previous.nbytes:
+            at = info.offset - data_start
+            after = 0 if previous is None else previous.offset - data_start + previous.nbytes
+            raise FormatError(
+                f"{path}: tensor {info.name!r} data starts at {at}, leaving a hole after byte {after}; safetensors data "
+                f"must be contiguous from 0 (a file with gaps can hide other content)"
+            )
         previous = info
+    end = previous.offset + previous.nbytes if previous is not None else data_start
+    if end != file_size:
+        raise (IntegrityError if end > file_size else FormatError)(
+            f"{path}: tensor data ends at byte {end} but the file has {file_size} bytes; the file is not fully covered "
+            f"by its header (appended data or a truncated download)"
+        )
     return {info.name: info for info in infos}
+
+
+def _check_name(path: Path, name: Any) -> None:
+    """Tensor names end up in error messages, logs and dict keys: keep them printable and bounded."""
+    if not name or len(name) > MAX_NAME_LENGTH or not name.isprintable():
+        raise FormatError(
+            f"{path}: tensor name {name[:80]!r}{'...' if len(name) > 80 else ''} is empty, longer than "
+            f"{MAX_NAME_LENGTH} characters or holds control characters; rename the tensor"
+        )
 
 
 def index_checkpoint(files: WeightFiles) -> Checkpoint:

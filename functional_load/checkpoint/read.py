@@ -29,9 +29,9 @@ from typing import Protocol
 import numpy as np
 
 from ..dtypes import itemsize
-from ..errors import CheckpointError, ConfigError
+from ..errors import ConfigError, IntegrityError
 from ..sharding import Box
-from . import TensorInfo
+from . import FileStamp, TensorInfo
 
 STRATEGIES = ("auto", "pread", "mmap", "eager")
 NETWORK_FILESYSTEMS = ("nfs", "nfs4", "lustre", "virtiofs", "ceph", "fuse.ceph", "fuse.juicefs", "gpfs", "beegfs")
@@ -123,11 +123,7 @@ class _Files:
                 if fd is None:
                     fd = os.open(info.file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | self._flags)
                     self._fds[info.file] = fd
-        if os.fstat(fd).st_size < info.offset + info.nbytes:
-            raise CheckpointError(
-                f"{info.file}: tensor {info.name!r} needs bytes up to {info.offset + info.nbytes}, but the file now has "
-                f"{os.fstat(fd).st_size}; it was truncated or replaced after it was indexed"
-            )
+        check_unchanged(info, os.fstat(fd))
         return fd
 
     def close(self) -> None:
@@ -136,13 +132,30 @@ class _Files:
         self._fds.clear()
 
 
+def check_unchanged(info: TensorInfo, st: os.stat_result) -> None:
+    """Refuse a file that is not the one indexed: shorter than its tensors, or (when the index
+    recorded it) replaced, rewritten or resized since."""
+    if st.st_size < info.offset + info.nbytes:
+        raise IntegrityError(
+            f"{info.file}: tensor {info.name!r} needs bytes up to {info.offset + info.nbytes}, but the file now has "
+            f"{st.st_size}; it was truncated or replaced after it was indexed"
+        )
+    if info.stamp is not None and FileStamp.of(st) != info.stamp:
+        now = FileStamp.of(st)
+        raise IntegrityError(
+            f"{info.file}: changed after it was indexed (size {info.stamp.size} -> {now.size}, mtime_ns "
+            f"{info.stamp.mtime_ns} -> {now.mtime_ns}, inode {info.stamp.inode} -> {now.inode}) while loading tensor "
+            f"{info.name!r}; re-plan the load once the checkpoint is stable"
+        )
+
+
 def _pread_full(fd: int, target: memoryview, offset: int, info: TensorInfo) -> int:
     """Fill ``target`` from ``offset``; short reads are legal, end of file is an error."""
     got = 0
     while got < target.nbytes:
         more = os.preadv(fd, [target[got:]], offset + got)
         if more == 0:
-            raise CheckpointError(
+            raise IntegrityError(
                 f"{info.file}: tensor {info.name!r} ends early: read {got} of {target.nbytes} bytes at offset "
                 f"{offset}; the file was truncated or changed after it was indexed"
             )
@@ -221,7 +234,7 @@ class PreadReader:
                         break
                     got += more
                 if got < start + run - lo:
-                    raise CheckpointError(
+                    raise IntegrityError(
                         f"{info.file}: tensor {info.name!r} ends early at offset {lo + got}; the file was truncated"
                     )
                 self._count(got)

@@ -335,3 +335,52 @@ def torch_tp_decoder_layer(state: Mapping[str, Any], config: Any, layer: int, hi
         partial = (per_expert * weights[..., None]).sum(-2)
     dist.all_reduce(partial, group=group)
     return h + partial
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoints whose activations are O(1)
+
+
+def write_unit_scale_checkpoint(arch: str, out_dir: Any, *, dtype: str = "bfloat16", **options: Any) -> Any:
+    """A tiny ``write_checkpoint`` model with its weights rescaled so every activation is O(1),
+    saved by transformers' ``save_pretrained`` (several shards) in ``dtype``; returns the directory.
+
+    ``write_checkpoint`` fills every tensor, norm weights included, with ``0.02 * randn``, so
+    each layer adds a tiny fraction to the residual stream and a wrong block in one layer
+    changes the logits only by ~1e-5 relative: too close to float32 rounding for a comparison
+    to tell. Here linear weights (and experts, router, lm_head) become ``N(0, 1/fan_in)``, the
+    embedding ``N(0, 1)``, norm weights ``1 + N(0, 0.4^2)`` and biases ``N(0, 0.5^2)`` (the same
+    random draws, scaled), so every block matters at O(1). ``options`` go to ``write_checkpoint``.
+    """
+    import math
+    import tempfile
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .checkpoints import _quiet_transformers, write_checkpoint
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if any(out.glob("*.safetensors")):
+        raise FileExistsError(f"{out} already holds a checkpoint")
+    with tempfile.TemporaryDirectory() as tmp:
+        source = write_checkpoint(arch, tmp, dtype="float32", **options)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and p.dim() == 1:
+                p.mul_(20.0).add_(1.0)
+            elif name.endswith(".bias"):
+                p.mul_(25.0)
+            elif "embed_tokens" in name:
+                p.mul_(50.0)
+            else:
+                p.mul_(1.0 / (0.02 * math.sqrt(p.shape[-1])))
+    torch_dtype = getattr(torch, dtype)
+    model = model.to(torch_dtype)
+    model.config.dtype = torch_dtype
+    with _quiet_transformers():
+        model.save_pretrained(out, max_shard_size="100KB")
+    return out
