@@ -33,6 +33,7 @@ def plan(
     expert_placement: str = "linear",
     num_redundant_experts: int = 0,
     quantization: str | None = None,
+    allow_pickle: bool = False,
 ) -> Plan:
     """The validated load plan of one rank, from ``config.json`` and the weight-file headers only.
 
@@ -40,12 +41,14 @@ def plan(
     (``expert_placement`` "linear" or "round_robin"; ``num_redundant_experts`` extra physical
     experts repeat logical ones); the plan then reads no byte of another rank's experts.
     ``quantization="fp8"`` or ``"fp8_block"`` quantizes an unquantized checkpoint while loading.
+    ``allow_pickle=True`` permits ``.bin``/``.pt`` checkpoints (``torch.load(weights_only=True)``
+    only; safetensors always win when both are present).
     ``spec`` overrides the architecture spec picked from ``config.json``.
     Raises a :class:`~functional_load.LoadError` subclass listing every problem found.
     """
     parallel = Parallel(tp_size, rank, expert_parallel, expert_placement, num_redundant_experts)
     config = read_config(model_dir)
-    checkpoint = index_checkpoint(discover(model_dir, load_format))
+    checkpoint = index_checkpoint(discover(model_dir, load_format), allow_pickle=allow_pickle)
     arch = spec or spec_for_config(config)
     dtype_name = model_dtype(config, checkpoint, dtype)
     quant = online_quant_config(quantization, config) if quantization else parse_quant_config(config, dtype_name)
@@ -66,6 +69,7 @@ def load(
     expert_placement: str = "linear",
     num_redundant_experts: int = 0,
     quantization: str | None = None,
+    allow_pickle: bool = False,
     target: str = "checkpoint",
     progress: bool | None = None,
     strategy: str = "auto",
@@ -105,6 +109,7 @@ def load(
         expert_placement=expert_placement,
         num_redundant_experts=num_redundant_experts,
         quantization=quantization,
+        allow_pickle=allow_pickle,
     )
     plan_seconds = time.perf_counter() - start
     state = execute(the_plan, options=options, progress=progress)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .checkpoint.read import EagerReader, Reader, ReadOptions, make_reader, should_prefetch
+from .checkpoint.pickles import PickleReader
 from .checkpoint.prefetch import Prefetcher
 from .dtypes import to_torch, torch_itemsize, torch_name
 from .errors import CheckpointError
@@ -198,7 +199,7 @@ def execute(
     """
     options = options or ReadOptions()
     own_reader = reader is None
-    reader = reader or make_reader(options)
+    reader = reader or make_reader(options, pickles=any(info.offset < 0 for info in plan.tensors.values()))
     files = {info.file for info in plan.tensors.values()}
     bar = None
     if progress if progress is not None else len(files) > 4:
@@ -207,7 +208,8 @@ def execute(
         bar = tqdm(total=plan.bytes_to_read, unit="B", unit_scale=True, desc=f"rank {plan.parallel.rank} load")
     online = {p.spec.name for p in plan.params if _is_online_weight(plan, p)}
     fixed = [p for p in plan.params if not p.spec.derived and p.spec.name not in online]
-    prefetcher = Prefetcher(plan, options) if should_prefetch(options, plan.model_dir, plan.bytes_to_read) else None
+    prefetch = should_prefetch(options, plan.model_dir, plan.bytes_to_read) and not isinstance(reader, PickleReader)
+    prefetcher = Prefetcher(plan, options) if prefetch else None
     start = time.perf_counter()
     try:
         out = allocate([p.spec for p in fixed])

@@ -15,7 +15,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from functional_load.errors import CheckpointError, ConfigError, MissingFileError
+from functional_load.errors import CheckpointError, ConfigError, FormatError, MissingFileError, SecurityError
 
 LOAD_FORMATS = ("auto", "hf", "safetensors", "mistral", "pt")
 
@@ -61,17 +61,19 @@ def strict_json_loads(text: str | bytes, what: str) -> Any:
         out: dict[str, Any] = {}
         for key, value in items:
             if key in out:
-                raise CheckpointError(f"{what}: duplicate JSON key {key!r}; each key must appear once")
+                raise FormatError(f"{what}: duplicate JSON key {key!r}; each key must appear once")
             out[key] = value
         return out
 
     def constant(name: str) -> Any:
-        raise CheckpointError(f"{what}: JSON constant {name} is not allowed (strict JSON only)")
+        raise FormatError(f"{what}: JSON constant {name} is not allowed (strict JSON only)")
 
     try:
         return json.loads(text, object_pairs_hook=pairs, parse_constant=constant)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{what}: invalid JSON ({exc})") from exc
+        raise FormatError(f"{what}: invalid JSON ({exc})") from exc
+    except RecursionError:
+        raise FormatError(f"{what}: JSON nested too deeply to be a checkpoint description") from None
 
 
 def _resolve_format(directory: Path, load_format: str) -> str:
@@ -83,8 +85,26 @@ def _resolve_format(directory: Path, load_format: str) -> str:
     return fmt
 
 
+def allowed_root(directory: Path) -> Path:
+    """Where a weight file may really live: the model directory, or, for a Hugging Face cache
+    snapshot (``<repo>/snapshots/<revision>``, whose files link to ``<repo>/blobs``), the repo."""
+    real = directory.resolve()
+    return real.parent.parent if real.parent.name == "snapshots" else real
+
+
+def check_contained(path: Path, directory: Path) -> None:
+    """A weight file (after following symlinks) must stay inside :func:`allowed_root`."""
+    root, real = allowed_root(directory), path.resolve()
+    if real != root and root not in real.parents:
+        raise SecurityError(
+            f"Weight file {str(path)!r} resolves to {str(real)!r}, outside the model directory {str(root)!r}; "
+            "a checkpoint must not read files elsewhere on the machine. Copy the file into the directory"
+        )
+
+
 def _glob(directory: Path, pattern: str) -> list[Path]:
-    """Regular files (symlinks followed) matching ``pattern``; directories are skipped, other kinds rejected."""
+    """Regular files (symlinks followed, but contained) matching ``pattern``; directories are
+    skipped, other kinds rejected before anything opens them."""
     found = []
     for text in glob.glob(os.path.join(glob.escape(str(directory)), pattern)):
         path = Path(text)
@@ -92,13 +112,16 @@ def _glob(directory: Path, pattern: str) -> list[Path]:
             mode = os.stat(path).st_mode
         except FileNotFoundError as exc:
             raise MissingFileError(f"Weight file {str(path)!r} is a broken symlink; fix or remove it") from exc
+        except OSError as exc:  # a symlink loop
+            raise SecurityError(f"Weight file {str(path)!r} cannot be resolved ({exc.strerror}); remove it") from exc
         if stat.S_ISDIR(mode):
             continue
         if not stat.S_ISREG(mode):
-            raise CheckpointError(
-                f"Weight file {str(path)!r} is not a regular file (a FIFO, socket or device); "
-                "replace it with the real file"
+            raise SecurityError(
+                f"Weight file {str(path)!r} is not a regular file (a FIFO, socket or device), which could block or "
+                "feed endless data; replace it with the real file"
             )
+        check_contained(path, directory)
         found.append(path)
     return found
 
@@ -108,12 +131,12 @@ def _read_weight_map(index_file: Path) -> dict[str, str]:
     data = strict_json_loads(index_file.read_bytes(), what)
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
-        raise CheckpointError(f"{what}: expected a JSON object with a non-empty 'weight_map' object, found {data!r:.200}")
+        raise FormatError(f"{what}: expected a JSON object with a non-empty 'weight_map' object, found {data!r:.200}")
     for name, shard in weight_map.items():
         if not isinstance(shard, str):
-            raise CheckpointError(f"{what}: weight_map[{name!r}] must be a file name string, found {shard!r}")
+            raise FormatError(f"{what}: weight_map[{name!r}] must be a file name string, found {shard!r}")
         if not shard or os.path.isabs(shard) or "/" in shard or "\\" in shard or ".." in shard:
-            raise CheckpointError(
+            raise SecurityError(
                 f"{what}: weight_map[{name!r}] = {shard!r} must be a plain file name in the checkpoint "
                 "directory (no path separators, '..' or absolute paths)"
             )

@@ -15,7 +15,8 @@ from typing import Any
 from functional_load.checkpoint import Checkpoint, FileStamp, TensorInfo
 from functional_load.checkpoint.discover import WeightFiles, strict_json_loads
 from functional_load.dtypes import SAFETENSORS_DTYPES, itemsize
-from functional_load.errors import CheckpointError, FormatError, IntegrityError
+from functional_load.checkpoint.pickles import index_pickles
+from functional_load.errors import CheckpointError, FormatError, IntegrityError, SecurityError
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # same cap as the safetensors library
 MAX_TENSORS = 1_000_000  # a header this large is a denial of service, not a model
@@ -144,15 +145,18 @@ def _check_name(path: Path, name: Any) -> None:
         )
 
 
-def index_checkpoint(files: WeightFiles) -> Checkpoint:
-    """All tensors of the discovered files, from headers only; the safetensors index decides duplicates."""
+def index_checkpoint(files: WeightFiles, *, allow_pickle: bool = False) -> Checkpoint:
+    """All tensors of the discovered files, from headers only; the safetensors index decides
+    duplicates. Pickle files are indexed only with ``allow_pickle=True`` (see :mod:`.pickles`)."""
     if files.kind != "safetensors":
         names = ", ".join(p.name for p in files.files[:3])
-        raise CheckpointError(
-            f"{files.directory}: the weights are pickle files ({names}), which have no header to plan from and can run "
-            f"code when unpickled; convert them to safetensors (e.g. transformers save_pretrained(..., "
-            f"safe_serialization=True)) to load them here"
-        )
+        if not allow_pickle:
+            raise SecurityError(
+                f"{files.directory}: the weights are pickle files ({names}), which can run code when unpickled; "
+                f"convert them to safetensors (transformers save_pretrained(..., safe_serialization=True)), or pass "
+                f"allow_pickle=True to load them with torch.load(weights_only=True)"
+            )
+        return Checkpoint(files.directory, files.load_format, files.files, index_pickles(files.files), None)
     headers = {path.name: read_header(path) for path in files.files}
     tensors: dict[str, TensorInfo] = {}
     if files.weight_map is not None:

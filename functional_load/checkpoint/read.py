@@ -386,9 +386,13 @@ def should_prefetch(options: ReadOptions, model_dir: str | os.PathLike, bytes_to
     return filesystem_type(model_dir) in NETWORK_FILESYSTEMS and bytes_to_read <= 0.9 * available_memory()
 
 
-def make_reader(options: ReadOptions) -> Reader:
+def make_reader(options: ReadOptions, pickles: bool = False) -> Reader:
     """The reader for ``options`` (``auto``: exact preads, with row-parallel slices read as spans
-    when ``max_over_read`` allows)."""
+    when ``max_over_read`` allows); pickle checkpoints are read through torch."""
+    if pickles:
+        from .pickles import PickleReader
+
+        return PickleReader()
     if options.strategy == "mmap":
         return MmapReader()
     if options.strategy == "eager":
