@@ -9,6 +9,7 @@ from .api import load as load
 from .api import plan as plan
 from .execute import LoadedState as LoadedState
 from .jax_load import load_jax as load_jax
+from .sharded_state import save_sharded as save_sharded
 from .quant.dequant import dequantize as dequantize
 from .errors import CheckpointError as CheckpointError
 from .errors import ConfigError as ConfigError
@@ -52,5 +53,6 @@ __all__ = [
     "dequantize",
     "load",
     "load_jax",
+    "save_sharded",
     "plan",
 ]

@@ -8,7 +8,10 @@ from dataclasses import replace
 from typing import Any
 
 from .checkpoint.discover import discover
+from .checkpoint.pickles import PickleReader
 from .checkpoint.read import ReadOptions
+from .dtypes import canonical_dtype
+from .sharded_state import plan_sharded, read_manifest
 from .checkpoint.index import index_checkpoint
 from .config import model_dtype, read_config
 from .errors import ConfigError
@@ -34,6 +37,7 @@ def plan(
     num_redundant_experts: int = 0,
     quantization: str | None = None,
     allow_pickle: bool = False,
+    verify_hashes: bool = False,
 ) -> Plan:
     """The validated load plan of one rank, from ``config.json`` and the weight-file headers only.
 
@@ -42,18 +46,29 @@ def plan(
     experts repeat logical ones); the plan then reads no byte of another rank's experts.
     ``quantization="fp8"`` or ``"fp8_block"`` quantizes an unquantized checkpoint while loading.
     ``allow_pickle=True`` permits ``.bin``/``.pt`` checkpoints (``torch.load(weights_only=True)``
-    only; safetensors always win when both are present).
+    only; safetensors always win when both are present). A directory written by
+    :func:`~functional_load.save_sharded` loads from its rank files (at the saved tp size) or is
+    resharded (at another); sizes are always checked, SHA-256 too with ``verify_hashes=True``.
     ``spec`` overrides the architecture spec picked from ``config.json``.
     Raises a :class:`~functional_load.LoadError` subclass listing every problem found.
     """
     parallel = Parallel(tp_size, rank, expert_parallel, expert_placement, num_redundant_experts)
     config = read_config(model_dir)
-    checkpoint = index_checkpoint(discover(model_dir, load_format), allow_pickle=allow_pickle)
     arch = spec or spec_for_config(config)
+    manifest = read_manifest(model_dir)
+    if manifest is not None:  # a pre-sharded save (save_sharded)
+        quantization = quantization or manifest.get("online_quantization")
+        dtype_name = canonical_dtype(dtype) or manifest["dtype"]
+        quant = online_quant_config(quantization, config) if quantization else parse_quant_config(config, dtype_name)
+        layout = build_layout(config, arch, parallel, dtype_name, quant)
+        return plan_sharded(model_dir, manifest, layout, verify_hashes)
+    checkpoint = index_checkpoint(discover(model_dir, load_format), allow_pickle=allow_pickle)
+    source = PickleReader if any(info.offset < 0 for info in checkpoint.tensors.values()) else None
     dtype_name = model_dtype(config, checkpoint, dtype)
     quant = online_quant_config(quantization, config) if quantization else parse_quant_config(config, dtype_name)
     layout = build_layout(config, arch, parallel, dtype_name, quant)
-    return make_plan(layout, checkpoint)
+    the_plan = make_plan(layout, checkpoint)
+    return replace(the_plan, source=source) if source else the_plan
 
 
 def load(
@@ -70,6 +85,7 @@ def load(
     num_redundant_experts: int = 0,
     quantization: str | None = None,
     allow_pickle: bool = False,
+    verify_hashes: bool = False,
     target: str = "checkpoint",
     progress: bool | None = None,
     strategy: str = "auto",
@@ -110,6 +126,7 @@ def load(
         num_redundant_experts=num_redundant_experts,
         quantization=quantization,
         allow_pickle=allow_pickle,
+        verify_hashes=verify_hashes,
     )
     plan_seconds = time.perf_counter() - start
     state = execute(the_plan, options=options, progress=progress)

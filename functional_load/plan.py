@@ -76,6 +76,7 @@ class Plan:
     aliases: Mapping[str, str] = field(default_factory=dict)  # tied alias -> canonical parameter
     dropped: tuple[tuple[str, str], ...] = ()  # (checkpoint tensor, why it is not loaded)
     schemes: Mapping[str, QuantScheme] = field(default_factory=dict)  # quantized module -> scheme
+    source: Any = None  # a reader factory when the bytes are not plain files (pickles, pre-sharded saves)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tensors", MappingProxyType(dict(self.tensors)))

@@ -135,7 +135,7 @@ class _Files:
 def check_unchanged(info: TensorInfo, st: os.stat_result) -> None:
     """Refuse a file that is not the one indexed: shorter than its tensors, or (when the index
     recorded it) replaced, rewritten or resized since."""
-    if st.st_size < info.offset + info.nbytes:
+    if info.offset >= 0 and st.st_size < info.offset + info.nbytes:
         raise IntegrityError(
             f"{info.file}: tensor {info.name!r} needs bytes up to {info.offset + info.nbytes}, but the file now has "
             f"{st.st_size}; it was truncated or replaced after it was indexed"
@@ -386,13 +386,9 @@ def should_prefetch(options: ReadOptions, model_dir: str | os.PathLike, bytes_to
     return filesystem_type(model_dir) in NETWORK_FILESYSTEMS and bytes_to_read <= 0.9 * available_memory()
 
 
-def make_reader(options: ReadOptions, pickles: bool = False) -> Reader:
+def make_reader(options: ReadOptions) -> Reader:
     """The reader for ``options`` (``auto``: exact preads, with row-parallel slices read as spans
-    when ``max_over_read`` allows); pickle checkpoints are read through torch."""
-    if pickles:
-        from .pickles import PickleReader
-
-        return PickleReader()
+    when ``max_over_read`` allows)."""
     if options.strategy == "mmap":
         return MmapReader()
     if options.strategy == "eager":
