@@ -5,6 +5,7 @@ checkpoint index, names -> routes, (layout, checkpoint) -> validated plan; only 
 reads tensor bytes, and each rank reads only the bytes it keeps.
 """
 
+from .api import layout as layout
 from .api import load as load
 from .api import plan as plan
 from .execute import LoadedState as LoadedState
@@ -51,6 +52,7 @@ __all__ = [
     "Split",
     "VocabSplit",
     "dequantize",
+    "layout",
     "load",
     "load_jax",
     "save_sharded",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import replace
+from collections.abc import Mapping
 from typing import Any
 
 from .checkpoint.discover import discover
@@ -18,10 +19,33 @@ from .errors import ConfigError
 from .execute import execute
 from .materialize import to_device
 from .targets import TARGETS, apply_target
-from .layout import Parallel, build_layout
+from .layout import Layout, Parallel, build_layout
 from .plan import Plan, make_plan
 from .quant.config import online_quant_config, parse_quant_config
 from .spec import ArchSpec, spec_for_config
+
+
+def layout(
+    model: str | os.PathLike | Mapping[str, Any],
+    *,
+    tp_size: int = 1,
+    rank: int = 0,
+    dtype: Any = None,
+    spec: ArchSpec | None = None,
+    expert_parallel: bool = False,
+    expert_placement: str = "linear",
+    num_redundant_experts: int = 0,
+    quantization: str | None = None,
+) -> Layout:
+    """Every parameter of one rank (names, shapes, dtypes, slice descriptors) from a config alone:
+    ``model`` is a checkpoint directory or a parsed ``config.json`` (e.g. a real model's, with no
+    weights at hand). Nothing but the config is read."""
+    config = dict(model) if isinstance(model, Mapping) else read_config(model)
+    parallel = Parallel(tp_size, rank, expert_parallel, expert_placement, num_redundant_experts)
+    arch = spec or spec_for_config(config)
+    dtype_name = canonical_dtype(dtype) or canonical_dtype(config.get("dtype") or config.get("torch_dtype")) or "bfloat16"
+    quant = online_quant_config(quantization, config) if quantization else parse_quant_config(config, dtype_name)
+    return build_layout(config, arch, parallel, dtype_name, quant)
 
 
 def plan(
