@@ -42,10 +42,16 @@ def layout(
     weights at hand). Nothing but the config is read."""
     config = dict(model) if isinstance(model, Mapping) else read_config(model)
     parallel = Parallel(tp_size, rank, expert_parallel, expert_placement, num_redundant_experts)
-    arch = spec or spec_for_config(config)
     dtype_name = canonical_dtype(dtype) or canonical_dtype(config.get("dtype") or config.get("torch_dtype")) or "bfloat16"
-    quant = online_quant_config(quantization, config) if quantization else parse_quant_config(config, dtype_name)
-    return build_layout(config, arch, parallel, dtype_name, quant)
+    return _layout(config, spec, parallel, dtype_name, quantization)
+
+
+def _layout(config: Mapping[str, Any], spec: ArchSpec | None, parallel: Parallel, dtype: str, quantization: str | None) -> Layout:
+    """The layout of one rank: the spec from the config (unless given), and the checkpoint's
+    quantization config or the online one asked for."""
+    arch = spec or spec_for_config(config)
+    quant = online_quant_config(quantization, config) if quantization else parse_quant_config(config, dtype)
+    return build_layout(config, arch, parallel, dtype, quant)
 
 
 def plan(
@@ -78,21 +84,16 @@ def plan(
     """
     parallel = Parallel(tp_size, rank, expert_parallel, expert_placement, num_redundant_experts)
     config = read_config(model_dir)
-    arch = spec or spec_for_config(config)
     manifest = read_manifest(model_dir)
     if manifest is not None:  # a pre-sharded save (save_sharded)
         quantization = quantization or manifest.get("online_quantization")
         dtype_name = canonical_dtype(dtype) or manifest["dtype"]
-        quant = online_quant_config(quantization, config) if quantization else parse_quant_config(config, dtype_name)
-        layout = build_layout(config, arch, parallel, dtype_name, quant)
-        return plan_sharded(model_dir, manifest, layout, verify_hashes)
+        return plan_sharded(model_dir, manifest, _layout(config, spec, parallel, dtype_name, quantization), verify_hashes)
     checkpoint = index_checkpoint(discover(model_dir, load_format), allow_pickle=allow_pickle)
-    source = PickleReader if any(info.offset < 0 for info in checkpoint.tensors.values()) else None
-    dtype_name = model_dtype(config, checkpoint, dtype)
-    quant = online_quant_config(quantization, config) if quantization else parse_quant_config(config, dtype_name)
-    layout = build_layout(config, arch, parallel, dtype_name, quant)
-    the_plan = make_plan(layout, checkpoint)
-    return replace(the_plan, source=source) if source else the_plan
+    the_plan = make_plan(_layout(config, spec, parallel, model_dtype(config, checkpoint, dtype), quantization), checkpoint)
+    if any(info.offset < 0 for info in checkpoint.tensors.values()):  # pickles are read through torch
+        return replace(the_plan, source=PickleReader)
+    return the_plan
 
 
 def load(
