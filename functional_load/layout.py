@@ -325,7 +325,9 @@ def build_layout(
                 )
         except ShardingError as exc:
             failed.add(module.pattern)
-            problems.append(f"{module.pattern}: {exc}")
+            where = f"{name} (and every layer like it)" if "{layer}" in module.pattern else name
+            hint = "; or load with expert_parallel=True, which keeps experts whole" if module.kind == "experts" and not parallel.expert_parallel else ""
+            problems.append(f"{where}: {exc}{hint}")
     if problems:
         head = f"{spec.name} does not shard over tp_size={parallel.tp_size}:"
         raise ShardingError("\n".join([head, *(f"  - {p}" for p in problems)]))

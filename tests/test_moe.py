@@ -486,8 +486,8 @@ def test_fewer_experts_than_ep_ranks_in_the_table():
 @pytest.mark.parametrize(
     "arch,override,module",
     [
-        ("qwen3_moe", {"moe_intermediate_size": 36}, "model.layers.{layer}.mlp.experts"),
-        ("mixtral", {"intermediate_size": 36}, "model.layers.{layer}.block_sparse_moe.experts"),
+        ("qwen3_moe", {"moe_intermediate_size": 36}, "model.layers.0.mlp.experts (and every layer like it)"),
+        ("mixtral", {"intermediate_size": 36}, "model.layers.0.block_sparse_moe.experts (and every layer like it)"),
     ],
 )
 def test_expert_intermediate_that_does_not_divide_over_tp(tiny_checkpoint, arch, override, module):
@@ -497,6 +497,7 @@ def test_expert_intermediate_that_does_not_divide_over_tp(tiny_checkpoint, arch,
     message = str(info.value)
     assert "36" in message and "tp=8" in message, message
     assert module in message, message
+    assert "expert_parallel=True" in message, message  # the way out is named
     # tp=4 divides 36; and under expert parallelism experts are whole, so tp=8 is fine too
     fl.plan(path, tp_size=4, rank=3)
     state = fl.load(path, tp_size=8, rank=3, expert_parallel=True, progress=False)
@@ -514,7 +515,7 @@ def test_fewer_experts_than_ep_ranks(tiny_checkpoint):
             fl.plan(path, tp_size=4, rank=rank, expert_parallel=True)
         message = str(info.value)
         assert "2 experts" in message and "ep=4" in message, message
-        assert "model.layers.{layer}.mlp.experts" in message, message
+        assert "model.layers.0.mlp.experts" in message, message
     # without EP, every rank holds both experts, TP-sharded
     state = fl.load(path, tp_size=4, rank=1, progress=False)
     assert tuple(state["model.layers.1.mlp.experts.w13_weight"].shape) == (2, 16, HIDDEN)
