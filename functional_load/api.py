@@ -42,7 +42,10 @@ def layout(
     weights at hand). Nothing but the config is read."""
     config = dict(model) if isinstance(model, Mapping) else read_config(model)
     parallel = Parallel(tp_size, rank, expert_parallel, expert_placement, num_redundant_experts)
-    dtype_name = canonical_dtype(dtype) or canonical_dtype(config.get("dtype") or config.get("torch_dtype")) or "bfloat16"
+    try:
+        dtype_name = canonical_dtype(dtype) or canonical_dtype(config.get("dtype") or config.get("torch_dtype")) or "bfloat16"
+    except ValueError as exc:
+        raise ConfigError(f"config.json or dtype argument: {exc}") from None
     return _layout(config, spec, parallel, dtype_name, quantization)
 
 

@@ -7,7 +7,7 @@ descriptors, with no memory allocated. It is a pure function of its inputs.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -32,6 +32,10 @@ from .sharding import (
     vocab_shard,
 )
 from .spec import ArchSpec, ModuleSpec, evaluate
+
+# A config asking for more layers than this is corrupt or hostile (real models have a few hundred
+# at most); expanding it would take unbounded time and memory before any check could fail.
+MAX_LAYERS = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,8 +296,23 @@ def _instances(spec: ArchSpec, scope: _Scope, num_layers: int) -> Iterator[tuple
                 yield module, module.pattern.replace("{layer}", str(layer)), layer_scope
 
 
+def model_tp_sizes(
+    config: Mapping[str, Any], spec: ArchSpec, parallel: Parallel, dtype: str, quant: QuantConfig | None, up_to: int = 64
+) -> list[int]:
+    """Every tp size that divides every module of the model (for error messages)."""
+    sizes = []
+    for tp in range(1, up_to + 1):
+        try:
+            build_layout(config, spec, replace(parallel, tp_size=tp, rank=0, num_redundant_experts=0, expert_parallel=parallel.expert_parallel), dtype, quant, report=False)
+        except (ShardingError, ConfigError):
+            continue
+        sizes.append(tp)
+    return sizes
+
+
 def build_layout(
-    config: Mapping[str, Any], spec: ArchSpec, parallel: Parallel, dtype: str, quant: QuantConfig | None = None
+    config: Mapping[str, Any], spec: ArchSpec, parallel: Parallel, dtype: str, quant: QuantConfig | None = None,
+    *, report: bool = True,
 ) -> Layout:
     """Every parameter of ``parallel.rank``; ``quant`` decides each linear's quantized tensors.
     Divisibility problems of all modules are collected and raised together as one ShardingError."""
@@ -301,6 +320,11 @@ def build_layout(
     stages = tuple(stage.table for stage in spec.stages if evaluate(stage.when, scope))
     schemes: dict[str, QuantScheme] = {}
     num_layers = scope.int(spec.layers, f"{spec.name}.layers")
+    if num_layers > MAX_LAYERS:
+        raise ConfigError(
+            f"{spec.name}.layers = {spec.layers!r} evaluated to {num_layers}, more than the {MAX_LAYERS} layers any "
+            f"real model has; config.json is corrupt"
+        )
     params: dict[str, ParamSpec] = {}
     problems: list[str] = []
     failed: set[str] = set()
@@ -328,9 +352,12 @@ def build_layout(
             where = f"{name} (and every layer like it)" if "{layer}" in module.pattern else name
             hint = "; or load with expert_parallel=True, which keeps experts whole" if module.kind == "experts" and not parallel.expert_parallel else ""
             problems.append(f"{where}: {exc}{hint}")
+    if problems and not report:
+        raise ShardingError(problems[0])
     if problems:
         head = f"{spec.name} does not shard over tp_size={parallel.tp_size}:"
-        raise ShardingError("\n".join([head, *(f"  - {p}" for p in problems)]))
+        tail = f"tp sizes (up to 64) that work for the whole model: {model_tp_sizes(config, spec, parallel, dtype, quant)}"
+        raise ShardingError("\n".join([head, *(f"  - {p}" for p in problems), tail]))
     aliases = {}
     if spec.tie is not None and evaluate(spec.tie.when, scope):
         params.pop(spec.tie.alias, None)
