@@ -117,7 +117,7 @@ def load(
     target: str = "checkpoint",
     progress: bool | None = None,
     strategy: str = "auto",
-    threads: int = 2,
+    threads: int = 4,
     prefetch: bool | None = None,
     prefetch_threads: int = 8,
     prefetch_block_size: int = 16 << 20,

@@ -87,7 +87,7 @@ def _bench(args: argparse.Namespace) -> None:
     spec.loader.exec_module(module)
     argv = [args.model_dir] if args.model_dir else []
     argv += ["--quick"] if args.quick else []
-    for name in ("runs", "tp", "scenarios", "methods", "layers", "out", "json"):
+    for name in ("runs", "tp", "scenarios", "methods", "layers", "out", "json", "nice"):
         if getattr(args, name) is not None:
             argv += [f"--{name}", str(getattr(args, name))]
     raise SystemExit(module.main(argv))
@@ -126,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, help="layers of a generated checkpoint (default 4)")
     p.add_argument("--out", help="markdown results file (default docs/performance.md; none with --quick)")
     p.add_argument("--json", help="also write the raw per-run results as JSON")
+    p.add_argument("--nice", type=int, help="niceness added to each measured worker (default -10)")
     p.set_defaults(run=_bench)
     return parser
 

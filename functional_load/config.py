@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint import Checkpoint
-from .checkpoint.discover import strict_json_loads
+from .checkpoint.discover import check_contained, strict_json_loads
 from .dtypes import canonical_dtype, torch_name
 from .errors import CheckpointError, ConfigError, MissingFileError
 
@@ -21,6 +21,7 @@ def read_config(model_dir: str | Path) -> dict[str, Any]:
         raise MissingFileError(f"{model_dir}: model directory not found (it must be a local directory)")
     if not path.is_file():
         raise ConfigError(f"{path}: no config.json in the model directory; it is needed to know the model's shapes")
+    check_contained(path, Path(model_dir), "Config file")
     if path.stat().st_size > MAX_CONFIG_BYTES:
         raise ConfigError(f"{path}: {path.stat().st_size} bytes is larger than the {MAX_CONFIG_BYTES}-byte limit for a config")
     try:

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from .checkpoint import Checkpoint, TensorInfo
-from .checkpoint.discover import strict_json_loads
+from .checkpoint.discover import check_contained, strict_json_loads
 from .checkpoint.index import read_header
 from .checkpoint.read import PreadReader
 from .dtypes import TORCH_TO_SAFETENSORS, itemsize
@@ -200,6 +200,7 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, Any] | None:
     path = Path(directory) / MANIFEST
     if not path.is_file():
         return None
+    check_contained(path, Path(directory), "Manifest")
     manifest = strict_json_loads(path.read_bytes(), str(path))
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise FormatError(f"{path}: not a functional_load sharded-state manifest")
@@ -211,6 +212,17 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, Any] | None:
     for name in manifest["files"]:
         if not isinstance(name, str) or os.path.basename(name) != name or name.startswith("."):
             raise FormatError(f"{path}: manifest file name {name!r} is not a plain file name")
+    tp_size = manifest["parallel"].get("tp_size")
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise FormatError(f"{path}: manifest parallel.tp_size {tp_size!r} is not a positive integer")
+    for rank in range(tp_size):
+        entry = manifest["ranks"].get(str(rank))
+        file = entry.get("file") if isinstance(entry, dict) else None
+        if not isinstance(file, str) or file not in manifest["files"] or not isinstance(entry.get("params"), dict):
+            raise FormatError(
+                f"{path}: manifest rank {rank} of tp_size {tp_size} is missing, names no file listed under 'files' "
+                f"(found {file!r}) or has no 'params' object"
+            )
     return manifest
 
 
@@ -221,6 +233,7 @@ def verify_files(directory: Path, manifest: Mapping[str, Any], names: Sequence[s
         path = directory / name
         if not path.is_file():
             raise IntegrityError(f"{path}: listed in the manifest but missing; the save is incomplete")
+        check_contained(path, directory, "Rank file")
         if path.stat().st_size != entry["size"]:
             raise IntegrityError(f"{path}: {path.stat().st_size} bytes, the manifest says {entry['size']}")
         if hashes and _sha256(path) != entry["sha256"]:

@@ -34,16 +34,17 @@ def _segment_widths(plan: Any, module: str) -> tuple[int, ...]:
 
 def apply_target(state: Any, target: str) -> Any:
     """A new state with the transforms of ``target`` applied (the input is not modified)."""
-    import torch
-
-    from . import transforms
-    from .execute import LoadedState
     from .errors import ConfigError
 
     if target not in TARGETS:
         raise ConfigError(f"target={target!r} is not a known output layout; use one of {TARGETS}")
     if target == "checkpoint":
         return state
+    import torch
+
+    from . import transforms  # jax, imported only when a transform runs
+    from .execute import LoadedState
+
     plan, out = state.plan, dict(state)
     fnuz = target == "rocm-fp8"
     for module, scheme in plan.schemes.items():

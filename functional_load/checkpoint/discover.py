@@ -92,12 +92,13 @@ def allowed_root(directory: Path) -> Path:
     return real.parent.parent if real.parent.name == "snapshots" else real
 
 
-def check_contained(path: Path, directory: Path) -> None:
-    """A weight file (after following symlinks) must stay inside :func:`allowed_root`."""
+def check_contained(path: Path, directory: Path, what: str = "Weight file") -> None:
+    """A weight file (or the config, index or manifest: ``what``), after following symlinks, must
+    stay inside :func:`allowed_root`."""
     root, real = allowed_root(directory), path.resolve()
     if real != root and root not in real.parents:
         raise SecurityError(
-            f"Weight file {str(path)!r} resolves to {str(real)!r}, outside the model directory {str(root)!r}; "
+            f"{what} {str(path)!r} resolves to {str(real)!r}, outside the model directory {str(root)!r}; "
             "a checkpoint must not read files elsewhere on the machine. Copy the file into the directory"
         )
 
@@ -170,6 +171,7 @@ def discover(model_dir: str | os.PathLike, load_format: str = "auto") -> WeightF
     index_file = directory / (MISTRAL_INDEX if fmt == "mistral" else HF_INDEX)
     if not index_file.is_file():
         return WeightFiles(directory, fmt, "safetensors", tuple(files), None, None)
+    check_contained(index_file, directory, "Index file")
     weight_map = _read_weight_map(index_file)
     named = set(weight_map.values())
     missing = sorted(named - {p.name for p in files}, key=natural_sort_key)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..dtypes import TORCH_TO_SAFETENSORS
-from ..errors import FormatError, SecurityError
+from ..errors import FormatError, IntegrityError, SecurityError
 from . import FileStamp, TensorInfo
 
 MIN_TORCH = (2, 10)
@@ -106,7 +106,11 @@ class PickleReader:
         from .read import check_unchanged
 
         if info.file not in self._states:
-            check_unchanged(info, os.stat(info.file))
+            try:
+                st = os.stat(info.file)
+            except FileNotFoundError:
+                raise IntegrityError(f"{info.file}: disappeared after it was indexed (needed for tensor {info.name!r})") from None
+            check_unchanged(info, st)
             self._states[info.file] = safe_torch_load(info.file)
         tensor = self._states[info.file][info.name]
         part = tensor[tuple(slice(a, b) for a, b in box)].contiguous()

@@ -73,7 +73,7 @@ class ReadOptions:
     """
 
     strategy: str = "auto"
-    threads: int = 2
+    threads: int = 4
     prefetch: bool | None = None
     prefetch_threads: int = 8
     prefetch_block_size: int = 16 * MiB
@@ -110,9 +110,10 @@ class Reader(Protocol):
 class _Files:
     """Open files, checked against the size recorded when they were indexed."""
 
-    def __init__(self, flags: int = 0):
+    def __init__(self, flags: int = 0, advice: int | None = None):
         self._fds: dict[Path, int] = {}
         self._flags = flags
+        self._advice = advice
         self._lock = threading.Lock()
 
     def fd(self, info: TensorInfo) -> int:
@@ -121,7 +122,15 @@ class _Files:
             with self._lock:
                 fd = self._fds.get(info.file)
                 if fd is None:
-                    fd = os.open(info.file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | self._flags)
+                    try:
+                        fd = os.open(info.file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | self._flags)
+                    except FileNotFoundError:
+                        raise IntegrityError(
+                            f"{info.file}: disappeared after it was indexed (needed for tensor {info.name!r}); "
+                            "re-plan the load once the checkpoint is stable"
+                        ) from None
+                    if self._advice is not None and hasattr(os, "posix_fadvise"):
+                        os.posix_fadvise(fd, 0, 0, self._advice)
                     self._fds[info.file] = fd
         check_unchanged(info, os.fstat(fd))
         return fd
@@ -149,6 +158,17 @@ def check_unchanged(info: TensorInfo, st: os.stat_result) -> None:
         )
 
 
+def _resident(fd: int, offset: int) -> bool:
+    """Whether the page at ``offset`` is in the page cache (a non-blocking read of one byte)."""
+    flag = getattr(os, "RWF_NOWAIT", None)
+    if flag is None:
+        return True
+    try:
+        return os.preadv(fd, [bytearray(1)], offset, flag) == 1
+    except (BlockingIOError, OSError):
+        return False
+
+
 def _pread_full(fd: int, target: memoryview, offset: int, info: TensorInfo) -> int:
     """Fill ``target`` from ``offset``; short reads are legal, end of file is an error."""
     got = 0
@@ -164,15 +184,26 @@ def _pread_full(fd: int, target: memoryview, offset: int, info: TensorInfo) -> i
 
 
 class PreadReader:
-    """Positional reads into destination buffers; one file descriptor per file, opened lazily.
+    """Positional reads into destination buffers; file descriptors per file, opened lazily.
+
+    Exact reads go through a descriptor advised ``POSIX_FADV_RANDOM``, so the kernel reads what
+    is asked and no readahead past a rank's slice. A box made of many short runs (a row-parallel
+    slice) is read as sequential spans and scattered when ``max_over_read`` allows it, or, with
+    ``adaptive=True``, when the tensor is not in the page cache (probed with ``RWF_NOWAIT``):
+    cold, one sequential pass beats a random read per row; hot, exact copies are cheaper.
 
     ``bytes_read`` counts tensor bytes read (not headers). Safe to use from several threads.
     """
 
-    def __init__(self, *, max_over_read: float = 1.0, direct: bool = False, chunk_bytes: int = 16 * MiB) -> None:
-        self._files = _Files(getattr(os, "O_DIRECT", 0) if direct else 0)
+    def __init__(
+        self, *, max_over_read: float = 1.0, direct: bool = False, chunk_bytes: int = 16 * MiB, adaptive: bool = False
+    ) -> None:
+        random = getattr(os, "POSIX_FADV_RANDOM", None)
+        self._files = _Files(getattr(os, "O_DIRECT", 0) if direct else 0, None if direct else random)
+        self._spans = _Files(0, getattr(os, "POSIX_FADV_SEQUENTIAL", None))
         self._direct = direct
         self._max_over_read = max_over_read
+        self._adaptive = adaptive
         self._chunk = chunk_bytes
         self._count_lock = threading.Lock()
         self.bytes_read = 0
@@ -192,8 +223,11 @@ class PreadReader:
         span = int(offsets[-1]) + run - int(offsets[0])
         if self._direct:
             self._read_direct(fd, info, offsets, run, out)
-        elif len(offsets) > 1 and span <= self._max_over_read * run * len(offsets):
-            self._read_span(fd, info, offsets, run, out)
+        elif len(offsets) > 1 and (
+            span <= self._max_over_read * run * len(offsets)
+            or self._adaptive and len(offsets) >= 64 and not _resident(fd, info.offset + int(offsets[len(offsets) // 2]))
+        ):
+            self._read_span(self._spans.fd(info), info, offsets, run, out)
         else:
             position = 0
             for offset in offsets.tolist():
@@ -246,6 +280,7 @@ class PreadReader:
 
     def close(self) -> None:
         self._files.close()
+        self._spans.close()
 
     def __enter__(self) -> PreadReader:
         return self
@@ -393,4 +428,4 @@ def make_reader(options: ReadOptions) -> Reader:
         return MmapReader()
     if options.strategy == "eager":
         return EagerReader(options.prefetch_block_size)
-    return PreadReader(max_over_read=options.max_over_read, direct=options.direct)
+    return PreadReader(max_over_read=options.max_over_read, direct=options.direct, adaptive=options.strategy == "auto")
