@@ -32,7 +32,7 @@ from .checkpoint import Checkpoint, TensorInfo
 from .checkpoint.discover import check_contained, strict_json_loads
 from .checkpoint.index import read_header
 from .checkpoint.read import PreadReader
-from .dtypes import TORCH_TO_SAFETENSORS, itemsize
+from .dtypes import SAFETENSORS_DTYPES, TORCH_TO_SAFETENSORS, itemsize
 from .errors import ConfigError, FormatError, IntegrityError
 from .sharding import Box
 
@@ -128,9 +128,15 @@ def save_sharded(
             ranks[str(rank)] = {"file": name, "params": params, "aliases": dict(plan.aliases)}
         if first_plan is None:
             raise ConfigError("save_sharded: no rank states to save")
+        # Over an old save, the new config.json waits under a temporary name and replaces the old
+        # one together with the manifest: the old manifest must never meet the new config.
+        config_tmp = work / ("config.json" if fresh else f".config.json.{save_id}")
         if model_dir is not None and (model_dir / "config.json").is_file():
-            shutil.copyfile(model_dir / "config.json", work / "config.json")
-        config_bytes = (work / "config.json").read_bytes() if (work / "config.json").exists() else b""
+            shutil.copyfile(model_dir / "config.json", config_tmp)
+            with open(config_tmp, "rb+") as f:
+                os.fsync(f.fileno())
+        config_file = config_tmp if config_tmp.exists() else work / "config.json"
+        config_bytes = config_file.read_bytes() if config_file.exists() else b""
         p0 = first_plan.parallel
         manifest = {
             "format": FORMAT,
@@ -162,6 +168,8 @@ def save_sharded(
             old = read_manifest(out)
             old_files = [out / n for n in (old or {}).get("files", {}) if n not in files]
         os.replace(tmp, work / MANIFEST)
+        if config_tmp != work / "config.json" and config_tmp.exists():
+            os.replace(config_tmp, work / "config.json")  # a crash just before: plan_sharded refuses the mix
         _fsync_dir(work)
         _step("commit")
         if fresh:
@@ -178,6 +186,9 @@ def save_sharded(
         ):
             for path in written:
                 path.unlink(missing_ok=True)
+        if not fresh:  # the temporary manifest and config of this save, if not renamed yet
+            for leftover in work.glob(f".*.{save_id}"):
+                leftover.unlink(missing_ok=True)
         raise
     return out
 
@@ -223,7 +234,53 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, Any] | None:
                 f"{path}: manifest rank {rank} of tp_size {tp_size} is missing, names no file listed under 'files' "
                 f"(found {file!r}) or has no 'params' object"
             )
+    _check_schema(path, manifest)
     return manifest
+
+
+def _is_int(value: Any, low: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def _is_box(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(r, list) and len(r) == 2 and _is_int(r[0]) and _is_int(r[1]) and r[0] <= r[1] for r in value
+    )
+
+
+def _check_schema(path: Path, manifest: Mapping[str, Any]) -> None:
+    """Every field the loader reads has the type it expects; a FormatError names the first that
+    does not (instead of a KeyError deep inside the reshard)."""
+
+    def need(ok: bool, where: str, value: Any) -> None:
+        if not ok:
+            raise FormatError(f"{path}: manifest field {where} is malformed (found {value!r:.80})")
+
+    parallel = manifest["parallel"]
+    need(isinstance(parallel.get("expert_parallel"), bool), "parallel.expert_parallel", parallel.get("expert_parallel"))
+    need(isinstance(parallel.get("expert_placement"), str), "parallel.expert_placement", parallel.get("expert_placement"))
+    need(_is_int(parallel.get("num_redundant_experts")), "parallel.num_redundant_experts", parallel.get("num_redundant_experts"))
+    need(manifest.get("dtype") in TORCH_TO_SAFETENSORS, "dtype", manifest.get("dtype"))
+    for name, entry in manifest["files"].items():
+        ok = isinstance(entry, dict) and _is_int(entry.get("size")) and isinstance(entry.get("sha256"), str)
+        need(ok, f"files[{name!r}]", entry)
+    for name, meta in manifest["tensors"].items():
+        ok = isinstance(meta, dict) and isinstance(meta.get("shape"), list) and all(_is_int(d) for d in meta["shape"])
+        need(ok and meta.get("dtype") in SAFETENSORS_DTYPES, f"tensors[{name!r}]", meta)
+    for rank, entry in manifest["ranks"].items():
+        need(isinstance(entry.get("aliases", {}), dict), f"ranks[{rank!r}].aliases", entry.get("aliases"))
+        for param, record in entry["params"].items():
+            sources = record.get("sources") if isinstance(record, dict) else None
+            need(isinstance(sources, list), f"ranks[{rank!r}].params[{param!r}].sources", sources)
+            for source in sources:
+                ok = (
+                    isinstance(source, dict)
+                    and source.get("tensor") in manifest["tensors"]
+                    and _is_box(source.get("src"))
+                    and _is_box(source.get("dst"))
+                    and isinstance(source.get("transpose"), bool)
+                )
+                need(ok, f"ranks[{rank!r}].params[{param!r}].sources", source)
 
 
 def verify_files(directory: Path, manifest: Mapping[str, Any], names: Sequence[str], hashes: bool) -> None:
@@ -357,6 +414,14 @@ def plan_sharded(directory: str | os.PathLike, manifest: Mapping[str, Any], layo
 
     directory = Path(directory)
     parallel = layout.parallel
+    source = manifest.get("source")
+    recorded = source.get("config_sha256") if isinstance(source, dict) else None
+    config = directory / "config.json"
+    if recorded is not None and config.is_file() and hashlib.sha256(config.read_bytes()).hexdigest() != recorded:
+        raise IntegrityError(
+            f"{config}: differs from the config.json saved with {directory / MANIFEST} (SHA-256); it was edited, or a "
+            f"re-save was interrupted between the manifest and the config. Re-save the checkpoint"
+        )
     if manifest.get("dtype") != layout.dtype:
         raise ConfigError(
             f"{directory}: saved in {manifest.get('dtype')}, asked for {layout.dtype}; load it with dtype=None (or the "

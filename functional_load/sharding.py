@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Union
 
-from .errors import ShardingError
+from .errors import ConfigError, ShardingError
 
 Range = tuple[int, int]
 Box = tuple[Range, ...]
@@ -37,7 +37,11 @@ class Segment:
 
     def __post_init__(self) -> None:
         if self.count < 0 or self.unit < 1:
-            raise ValueError(f"segment {self.id!r}: count must be >= 0 and unit >= 1, got {self.count}, {self.unit}")
+            # sizes come from config.json (e.g. a head_dim of hidden_size // heads that rounds to 0)
+            raise ConfigError(
+                f"segment {self.id!r} ({self.label}): count must be >= 0 and unit >= 1, got {self.count}, {self.unit}; "
+                "check config.json"
+            )
 
     @property
     def rows(self) -> int:

@@ -95,7 +95,10 @@ def evaluate(expr: str | int | float | bool, lookup: Mapping[str, Any] | Any) ->
             raise ConfigError(f"config.json has no {ast.unparse(node)!r}, needed by spec expression {expr!r}")
         return value
 
-    return ev(tree)
+    try:
+        return ev(tree)
+    except (TypeError, ZeroDivisionError, OverflowError) as exc:  # config values of the wrong type, or 0
+        raise ConfigError(f"spec expression {expr!r} fails on the values in config.json: {exc}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,12 +264,17 @@ def builtin_specs() -> dict[str, ArchSpec]:
 def spec_for_config(config: Mapping[str, Any], specs: Mapping[str, ArchSpec] | None = None) -> ArchSpec:
     """The spec whose ``architectures`` lists the config's first architecture (or its model_type)."""
     specs = builtin_specs() if specs is None else specs
-    wanted = list(config.get("architectures") or [])
+    wanted = config.get("architectures") or []
+    model_type = config.get("model_type")
+    if not isinstance(wanted, list) or not all(isinstance(a, str) for a in wanted) or not isinstance(model_type, (str, type(None))):
+        raise ConfigError(
+            f"config.json: 'architectures' must be a list of class names and 'model_type' a string, found "
+            f"{wanted!r:.100} and {model_type!r:.100}"
+        )
     for arch in wanted:
         for spec in specs.values():
             if arch in spec.architectures:
                 return spec
-    model_type = config.get("model_type")
     if model_type in specs:
         return specs[model_type]
     supported = sorted(a for s in specs.values() for a in s.architectures)

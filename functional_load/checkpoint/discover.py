@@ -15,7 +15,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from functional_load.errors import CheckpointError, ConfigError, FormatError, MissingFileError, SecurityError
+from functional_load.errors import CheckpointError, ConfigError, FormatError, LoadError, MissingFileError, SecurityError
 
 LOAD_FORMATS = ("auto", "hf", "safetensors", "mistral", "pt")
 
@@ -51,10 +51,11 @@ def natural_sort_key(name: str) -> tuple[str | int, ...]:
     return tuple(int(part) if i % 2 else part for i, part in enumerate(re.split(r"(\d+)", name)))
 
 
-def strict_json_loads(text: str | bytes, what: str) -> Any:
+def strict_json_loads(text: str | bytes, what: str, parse_int: Any = None) -> Any:
     """``json.loads`` that rejects duplicate keys and NaN/Infinity, which plain json silently accepts.
 
-    Raises ``CheckpointError`` naming ``what`` (the file) on any problem.
+    ``parse_int``: an optional hook for integer literals (as ``json.loads``). Raises
+    ``CheckpointError`` naming ``what`` (the file) on any problem.
     """
 
     def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -69,11 +70,15 @@ def strict_json_loads(text: str | bytes, what: str) -> Any:
         raise FormatError(f"{what}: JSON constant {name} is not allowed (strict JSON only)")
 
     try:
-        return json.loads(text, object_pairs_hook=pairs, parse_constant=constant)
+        return json.loads(text, object_pairs_hook=pairs, parse_constant=constant, parse_int=parse_int)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise FormatError(f"{what}: invalid JSON ({exc})") from exc
     except RecursionError:
         raise FormatError(f"{what}: JSON nested too deeply to be a checkpoint description") from None
+    except LoadError:
+        raise
+    except ValueError as exc:  # an integer literal past Python's int-conversion digit limit
+        raise FormatError(f"{what}: invalid JSON ({exc})") from None
 
 
 def _resolve_format(directory: Path, load_format: str) -> str:

@@ -46,7 +46,7 @@ def _parse_entry(path: Path, name: str, entry: Any, data_start: int, file_size: 
     if unknown:
         raise FormatError(f"{where}: unknown fields {sorted(unknown)}; a tensor entry has only dtype, shape, data_offsets")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in SAFETENSORS_DTYPES:
+    if not isinstance(dtype, str) or dtype not in SAFETENSORS_DTYPES:
         raise FormatError(f"{where}: dtype {dtype!r} is not one of {sorted(SAFETENSORS_DTYPES)}")
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
         raise FormatError(f"{where}: shape must be a list of non-negative integers, found {shape!r}")
@@ -93,7 +93,7 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise FormatError(f"{path}: header is not valid UTF-8 ({exc})") from exc
-    header = strict_json_loads(text, f"{path}: header")
+    header = strict_json_loads(text, f"{path}: header", parse_int=_header_int)
     if not isinstance(header, dict):
         raise FormatError(f"{path}: header must be a JSON object, found {type(header).__name__}")
     metadata = header.pop("__metadata__", None)
@@ -134,6 +134,13 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
             f"by its header (appended data or a truncated download)"
         )
     return {info.name: info for info in infos}
+
+
+def _header_int(literal: str) -> int | float:
+    """Integers as the reference parser (serde, u64) reads them: it takes ``-0`` and integers past
+    2**64 - 1 as floats, so they become floats here too, which every entry check refuses."""
+    value = int(literal)
+    return float(literal) if literal.startswith("-0") or value >= 1 << 64 else value
 
 
 def _check_name(path: Path, name: Any) -> None:

@@ -54,6 +54,14 @@ def check_archive(path: Path) -> None:
             raise SecurityError(f"{path}: archive entry name {entry.filename!r} escapes the archive")
 
 
+def _refusal(exc: Exception) -> str:
+    """torch's reason for a refusal (the blocked global), without its generic advice to retry
+    with ``weights_only=False``, which would otherwise fill the first 300 characters."""
+    lines = [line.strip() for line in str(exc).splitlines()]
+    kept = [line for line in lines if line and "weights_only" not in line and not line.startswith("Weights only load failed")]
+    return " ".join(kept or lines)[:300]
+
+
 def safe_torch_load(path: Path) -> dict[str, Any]:
     """The ``{name: tensor}`` of one pickle checkpoint, memory-mapped, with every check above."""
     import torch
@@ -68,7 +76,7 @@ def safe_torch_load(path: Path) -> dict[str, Any]:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # the restricted unpickler refused it: nothing ran
         raise SecurityError(
-            f"{path}: torch.load(weights_only=True) refused this pickle ({type(exc).__name__}: {str(exc)[:300]}); "
+            f"{path}: torch.load(weights_only=True) refused this pickle ({type(exc).__name__}: {_refusal(exc)}); "
             f"no code from it ran. Do not load it with weights_only=False; convert it to safetensors in a sandbox"
         ) from None
     if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
