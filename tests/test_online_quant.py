@@ -43,35 +43,7 @@ CHECKPOINTS = {
 }
 
 
-# --- numpy / ml_dtypes reference ----------------------------------------------------------
-
-
-def ref_quant(x: np.ndarray, scale) -> np.ndarray:
-    inverse = F32(1) / np.asarray(scale, dtype=F32)
-    return np.clip(x.astype(F32) * inverse, F32(-448), F32(448)).astype(E4M3FN)
-
-
-def ref_scale(amax) -> np.float32:
-    amax = F32(amax)
-    return amax / F32(448) if amax > 0 else F32(1)
-
-
-def ref_per_tensor(x: np.ndarray) -> tuple[np.ndarray, np.float32]:
-    scale = ref_scale(np.max(np.abs(x.astype(F32))))
-    return ref_quant(x, scale), scale
-
-
-def ref_block(x: np.ndarray, bn: int = 128, bk: int = 128) -> tuple[np.ndarray, np.ndarray]:
-    rows, cols = x.shape
-    nr, nc = math.ceil(rows / bn), math.ceil(cols / bk)
-    q = np.zeros((rows, cols), dtype=E4M3FN)
-    scales = np.zeros((nr, nc), dtype=F32)
-    for i in range(nr):
-        for j in range(nc):
-            tile = x[i * bn : (i + 1) * bn, j * bk : (j + 1) * bk]
-            scales[i, j] = ref_scale(np.max(np.abs(tile.astype(F32))))
-            q[i * bn : (i + 1) * bn, j * bk : (j + 1) * bk] = ref_quant(tile, scales[i, j])
-    return q, scales
+from fp8_reference import ref_block, ref_per_tensor, ref_quant, ref_scale  # noqa: E402
 
 
 def as_numpy(t: torch.Tensor) -> np.ndarray:
