@@ -1,8 +1,8 @@
 """Run a plan: allocate the rank's parameters once, fill them in place from the checkpoint.
 
-This is the only stage that reads tensor data. All parameters live in one 64-byte-aligned,
-pre-faulted arena (so DLPack hands them to JAX without copies, and first-touch page faults are
-paid up front instead of in the middle of reads). Copies run in file-offset order on a few
+This is the only stage that reads tensor data. All parameters live in one 64-byte-aligned
+arena (so DLPack hands them to JAX without copies); its pages are faulted in by the reads, on
+several threads at once. Copies run in file-offset order, in chunks of at most 16 MiB, on a few
 threads; a copy whose destination slot is contiguous and of the checkpoint's dtype is read
 straight into it, a cast or transpose goes through one box-sized temporary. Scales are read
 and checked first; online quantization then handles one dense weight at a time.

@@ -26,7 +26,6 @@ from .sharding import (
     Shared,
     Slots,
     blocked_pieces,
-    Replicated,
     ShardId,
     Split,
     VocabSplit,

@@ -20,8 +20,6 @@ exhausting the machine.
 
 from __future__ import annotations
 
-import builtins
-import io
 import json
 import os
 import resource
@@ -57,6 +55,7 @@ from functional_load.errors import (
 from functional_load.execute import execute
 from functional_load.sharded_state import MANIFEST
 from functional_load.testing.checkpoints import read_checkpoint_tensors
+from helpers import hook_opens
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -90,7 +89,6 @@ class OpenLog:
     def __init__(self, monkeypatch: pytest.MonkeyPatch):
         self.paths: list[str] = []
         self.active = False
-        real_os_open, real_open, real_io_open = os.open, builtins.open, io.open
 
         def note(file: Any) -> None:
             if self.active and not isinstance(file, int):
@@ -99,22 +97,7 @@ class OpenLog:
                 except TypeError:
                     pass
 
-        def os_open(path: Any, *args: Any, **kwargs: Any) -> int:
-            if kwargs.get("dir_fd") is None:
-                note(path)
-            return real_os_open(path, *args, **kwargs)
-
-        def b_open(file: Any, *args: Any, **kwargs: Any) -> Any:
-            note(file)
-            return real_open(file, *args, **kwargs)
-
-        def i_open(file: Any, *args: Any, **kwargs: Any) -> Any:
-            note(file)
-            return real_io_open(file, *args, **kwargs)
-
-        monkeypatch.setattr(os, "open", os_open)
-        monkeypatch.setattr(builtins, "open", b_open)
-        monkeypatch.setattr(io, "open", i_open)
+        hook_opens(monkeypatch, note, skip_dir_fd=True)
 
     def __enter__(self) -> OpenLog:
         self.active = True

@@ -31,6 +31,7 @@ from functional_load.checkpoint.read import PreadReader, ReadOptions
 from functional_load.execute import execute
 from functional_load.sharding import compute_local_expert_ids, local_expert_slots
 from functional_load.testing.checkpoints import list_tensors, read_checkpoint_tensors
+from helpers import assert_same_bits, unreplicate
 
 HEADS, HEAD_DIM, HIDDEN, VOCAB, PADDED_VOCAB = 8, 8, 64, 1000, 1024
 EXPERTS, EXPERT_INTER = 8, 32
@@ -80,15 +81,6 @@ def local_ids(num: int, ep: int, rank: int, placement: str) -> list[int]:
     return [e for e in range(num) if e % ep == rank]
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8)
-
-
-def assert_same_bits(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
-    assert a.dtype == b.dtype and a.shape == b.shape, f"{what}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"
-    assert torch.equal(bits(a), bits(b)), f"{what}: values differ"
-
-
 def assert_shapes(ranks: list[torch.Tensor], shape: tuple[int, ...], what: str) -> None:
     for r, t in enumerate(ranks):
         assert tuple(t.shape) == shape, f"{what} on rank {r}: shape {list(t.shape)}, expected {list(shape)}"
@@ -98,15 +90,6 @@ def replicated(ranks: list[torch.Tensor], what: str) -> torch.Tensor:
     for r, t in enumerate(ranks):
         assert_same_bits(t, ranks[0], f"replicated {what} on rank {r}")
     return ranks[0]
-
-
-def unreplicate(blocks: list[torch.Tensor], kv_heads: int, tp: int, what: str) -> torch.Tensor:
-    if tp <= kv_heads:
-        return torch.cat(blocks)
-    replicas = tp // kv_heads
-    for r in range(tp):
-        assert_same_bits(blocks[r], blocks[r - r % replicas], f"{what} rank {r} vs its replica group")
-    return torch.cat(blocks[::replicas])
 
 
 def column(ranks: list[torch.Tensor], rows: int, cols: int, tp: int, what: str) -> torch.Tensor:

@@ -43,7 +43,8 @@ CHECKPOINTS = {
 }
 
 
-from fp8_reference import ref_block, ref_per_tensor, ref_quant, ref_scale  # noqa: E402
+from helpers import segment_rows  # noqa: E402
+from fp8_reference import ref_block, ref_per_tensor  # noqa: E402
 
 
 def as_numpy(t: torch.Tensor) -> np.ndarray:
@@ -58,17 +59,6 @@ def as_numpy(t: torch.Tensor) -> np.ndarray:
 
 def u8(t: torch.Tensor) -> np.ndarray:
     return t.contiguous().view(torch.uint8).numpy()
-
-
-def segment_rows(config: dict, module: str, tp: int) -> tuple[int, ...]:
-    """Rank-local output rows of each logical segment, from the config alone."""
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    if module.endswith("qkv_proj"):
-        q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
-        return (q // tp, kv // tp, kv // tp)
-    if module.endswith("gate_up_proj"):
-        return (config["intermediate_size"] // tp,) * 2
-    return (config["hidden_size"],)  # o_proj / down_proj are row-parallel: every output row
 
 
 def linear_modules(config: dict) -> list[str]:

@@ -10,7 +10,6 @@ of a state dict loads with ``allow_pickle=True`` bit for bit as the safetensors 
 from __future__ import annotations
 
 import builtins
-import io
 import os
 import pickle
 import shutil
@@ -26,6 +25,7 @@ from functional_load import load
 from functional_load.checkpoint import pickles
 from functional_load.errors import FormatError, LoadError, SecurityError
 from functional_load.testing.checkpoints import read_checkpoint_tensors
+from helpers import hook_opens
 
 BIN = "pytorch_model.bin"
 
@@ -108,7 +108,7 @@ class Spy:
         self.opened: list[str] = []
         self.loads: list[Any] = []
         watch_real = os.path.realpath(watch)
-        real_os_open, real_open, real_io_open, real_load = os.open, builtins.open, io.open, torch.load
+        real_load = torch.load
 
         def note(file: Any) -> None:
             if not isinstance(file, int):
@@ -118,25 +118,12 @@ class Spy:
                 except TypeError:
                     pass
 
-        def os_open(path: Any, *args: Any, **kwargs: Any) -> int:
-            note(path)
-            return real_os_open(path, *args, **kwargs)
-
-        def b_open(file: Any, *args: Any, **kwargs: Any) -> Any:
-            note(file)
-            return real_open(file, *args, **kwargs)
-
-        def i_open(file: Any, *args: Any, **kwargs: Any) -> Any:
-            note(file)
-            return real_io_open(file, *args, **kwargs)
+        hook_opens(monkeypatch, note)
 
         def t_load(f: Any, *args: Any, **kwargs: Any) -> Any:
             self.loads.append(kwargs.get("weights_only"))
             return real_load(f, *args, **kwargs)
 
-        monkeypatch.setattr(os, "open", os_open)
-        monkeypatch.setattr(builtins, "open", b_open)
-        monkeypatch.setattr(io, "open", i_open)
         monkeypatch.setattr(torch, "load", t_load)
 
         def forbidden(*args: Any, **kwargs: Any) -> Any:

@@ -669,8 +669,7 @@ def test_unpack_int32_known_words() -> None:
     ("ct_w4a16_asym", "self_attn.q_proj.weight_zero_point", 0, None),
 ])
 def test_repacking_real_checkpoint_words_gives_them_back(name: str, tensor: str, dim: int, order) -> None:
-    if name not in FIXTURES:
-        pytest.skip(f"fixture {name} not available")
+    assert name in FIXTURES, f"fixture {name} is missing from tests/fixtures/quant"
     words = ckpt(name)[f"{L0}.{tensor}"]
     interleave = AWQ_REVERSE_ORDER if order else None
     assert torch.equal(pack_int32(unpack_int32(words, 4, dim, interleave), 4, dim, order), words)
@@ -736,8 +735,7 @@ def test_wrong_scale_shape_is_a_plan_error(tmp_path: Path, name: str, tensor: st
 @pytest.mark.parametrize("name", ["gptq_v2", "gptq_v1", "awq_gemm", "ct_w4a16_asym", "ct_w4a16_sym"])
 def test_quantization_groups_that_do_not_divide_over_tp(name: str) -> None:
     """o_proj: 128 inputs in groups of 32 = 4 groups, which cannot be split over tp=8."""
-    if name not in FIXTURES:
-        pytest.skip(f"fixture {name} not available")
+    assert name in FIXTURES, f"fixture {name} is missing from tests/fixtures/quant"
     with pytest.raises(ShardingError) as info:
         fl.plan(QUANT / name, tp_size=8, rank=0)
     message = str(info.value)
@@ -817,8 +815,7 @@ def test_act_order_fixture_really_is_act_order() -> None:
 @pytest.mark.parametrize("tp", TPS)
 def test_gptq_v1_zero0_adds_0x11111111_to_whole_words(tp: int) -> None:
     name = "gptq_v1_zero0"
-    if name not in FIXTURES:
-        pytest.skip(f"fixture {name} not available")
+    assert name in FIXTURES, f"fixture {name} is missing from tests/fixtures/quant"
     tensors = ckpt(name)
     # A true zero of 0 is stored as -1 (nibble 0xF) with a borrow from the next field: the fixture has some.
     assert any(

@@ -14,6 +14,7 @@ import torch
 
 import functional_load as fl
 from functional_load.testing.checkpoints import read_checkpoint_tensors
+from helpers import assert_same_bits, unreplicate
 
 HEADS, HEAD_DIM, VOCAB, PADDED_VOCAB = 8, 8, 1000, 1024
 
@@ -25,26 +26,6 @@ CASES = [
     ("phi3", 8), ("phi3", 2), ("phi3", 1),
     ("gpt2", 8),
 ]
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8)
-
-
-def assert_same_bits(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
-    assert a.dtype == b.dtype and a.shape == b.shape, f"{what}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"
-    assert torch.equal(bits(a), bits(b)), f"{what}: values differ"
-
-
-def unreplicate(blocks: list[torch.Tensor], kv_heads: int, tp: int, what: str) -> torch.Tensor:
-    """KV blocks of all ranks -> the checkpoint's KV rows. With tp > kv_heads, ranks
-    r*replicas ... (r+1)*replicas-1 hold the same head and must agree."""
-    if tp <= kv_heads:
-        return torch.cat(blocks)
-    replicas = tp // kv_heads
-    for r in range(tp):
-        assert_same_bits(blocks[r], blocks[r - r % replicas], f"{what} rank {r} vs its replica group")
-    return torch.cat(blocks[::replicas])
 
 
 def unshard_qkv(ranks: list[torch.Tensor], kv_heads: int, tp: int, what: str):

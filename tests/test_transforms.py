@@ -39,7 +39,8 @@ E8M0 = ml_dtypes.float8_e8m0fnu
 F32 = np.float32
 
 
-from fp8_reference import ref_block, ref_dequant, ref_per_tensor, ref_quant, ref_requant, ref_scale  # noqa: E402
+from helpers import segment_rows  # noqa: E402
+from fp8_reference import ref_block, ref_dequant, ref_per_tensor, ref_quant, ref_requant  # noqa: E402
 
 
 def bits(a) -> np.ndarray:
@@ -374,14 +375,7 @@ def _load(name: str, tp: int, rank: int, target: str) -> fl.LoadedState:
 
 def _segment_widths(name: str, module: str, tp: int) -> tuple[int, ...]:
     """Rank-local output rows of each logical shard, from config.json alone."""
-    config = json.loads((FIXTURES / name / "config.json").read_text())
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    if module.endswith("qkv_proj"):
-        q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
-        return (q // tp, kv // tp, kv // tp)
-    if module.endswith("gate_up_proj"):
-        return (config["intermediate_size"] // tp,) * 2
-    return (config["hidden_size"],)  # o_proj / down_proj: row-parallel, all output rows
+    return segment_rows(json.loads((FIXTURES / name / "config.json").read_text()), module, tp)
 
 
 def _ranks():
