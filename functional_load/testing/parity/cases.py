@@ -1,0 +1,149 @@
+"""The parity cases: tiny checkpoints, tensor-parallel sizes and loader options.
+
+Every architecture spec of ``specs/`` has tiny transformers-written checkpoints (several GQA/MQA
+shapes, odd sizes), MoE models run with and without expert parallelism and with both placements,
+DeepSeek with and without ``q_lora_rank``, and the quantized fixtures of ``tests/fixtures/quant``
+(written by the real tools) run at tp 1, 2 and 4. A case may say why vLLM cannot load it while
+functional_load can (``vllm_cannot``), or why functional_load refuses a state vLLM "loads"
+(``we_refuse``); every other difference fails the harness.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+FIXTURES = Path(__file__).resolve().parents[3] / "tests" / "fixtures" / "quant"
+
+
+@dataclass(frozen=True)
+class Options:
+    """Loader options of one parity run, given to vLLM and to functional_load alike."""
+
+    expert_parallel: bool = False
+    expert_placement: str | None = None  # None: each loader's default (linear)
+    dtype: str | None = None  # None: the config's ("auto")
+
+    @property
+    def label(self) -> str:
+        parts = ["ep"] if self.expert_parallel else []
+        if self.expert_placement:
+            parts.append(self.expert_placement)
+        if self.dtype:
+            parts.append(self.dtype)
+        return ",".join(parts) or "-"
+
+    def vllm(self) -> dict[str, Any]:
+        return {"expert_parallel": self.expert_parallel, "expert_placement": self.expert_placement, "dtype": self.dtype or "auto"}
+
+    def ours(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"expert_parallel": self.expert_parallel, "dtype": self.dtype}
+        if self.expert_placement:
+            out["expert_placement"] = self.expert_placement
+        return out
+
+
+DENSE = (Options(),)
+MOE = (Options(), Options(True), Options(True, "round_robin"))
+
+
+@dataclass(frozen=True)
+class Case:
+    """One checkpoint and the runs made on it.
+
+    ``arch`` and ``build`` make a tiny checkpoint with
+    :func:`functional_load.testing.checkpoints.write_checkpoint`; ``fixture`` names a directory of
+    ``tests/fixtures/quant`` instead.
+    """
+
+    name: str
+    arch: str | None = None
+    build: Mapping[str, Any] = field(default_factory=dict)
+    fixture: str | None = None
+    tps: tuple[int, ...] = (1, 2, 4, 8)
+    options: tuple[Options, ...] = DENSE
+    vllm_cannot: str = ""  # why vLLM cannot load this while functional_load can (listed in the report)
+    we_refuse: str = ""  # why functional_load refuses a state vLLM loads (listed in the report)
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "build", MappingProxyType(dict(self.build)))
+        if (self.arch is None) == (self.fixture is None):
+            raise ValueError(f"case {self.name}: give exactly one of arch or fixture")
+
+    def write(self, root: Path) -> Path:
+        """The case's checkpoint directory (built under ``root`` on first use)."""
+        if self.fixture is not None:
+            return FIXTURES / self.fixture
+        out = root / self.name
+        if not (out / "config.json").exists():
+            from ..checkpoints import write_checkpoint
+
+            assert self.arch is not None
+            write_checkpoint(self.arch, out, **dict(self.build))
+        return out
+
+
+# Formats vLLM no longer reads, or crashes on, that functional_load loads (its dequantization
+# tests against an independent reference are the judge there).
+_VLLM_CANNOT = {
+    "gptq_actorder": "vLLM no longer supports GPTQ act-order (desc_act=True)",
+    "gptq_v1_zero0": "vLLM supports symmetric GPTQ only",
+    "gptq_v2": "vLLM supports symmetric GPTQ only",
+    "hf_fp8_block": "vLLM crashes when a rank's k/v rows share a scale block (tp 2: head_dim 64 < block 128)",
+    "hf_fp8_block_ue8m0": "vLLM crashes when a rank's k/v rows share a scale block (tp 2: head_dim 64 < block 128)",
+}
+
+# Loaded in the model dtype the config gives and in another (scales follow the model dtype).
+_QUANT_OPTIONS = {
+    name: (Options(), Options(dtype=other))
+    for name, other in (("awq_gemm", "bfloat16"), ("gptq_v1", "bfloat16"), ("ct_w4a16_asym", "float16"), ("ct_fp8_tensor", "float16"))
+}
+
+_ODD = {"vocab_size": 100, "intermediate_size": 96}  # vocab pads to 128: at tp 8 rank 7 is all padding
+
+CASES: tuple[Case, ...] = (
+    # Dense, every spec; MHA, GQA, MQA; tied and untied embeddings.
+    Case("llama-mha", "llama"),
+    Case("llama-gqa", "llama", {"kv_heads": 2}),
+    Case("llama-mqa-tied", "llama", {"kv_heads": 1, "tie_word_embeddings": True}),
+    Case("llama-odd", "llama", {"kv_heads": 2, **_ODD}, note="vocab 100 (last shards partly/wholly padding), intermediate 96"),
+    Case("llama-tp16", "llama", tps=(16,), note="8 heads do not divide over 16 ranks"),
+    Case("llama-tp3", "llama", {"hidden_size": 48, "num_attention_heads": 6, "head_dim": 8, "num_key_value_heads": 3}, tps=(3,),
+         note="heads divide over 3 ranks, the vocabulary padded to 1024 does not"),
+    Case("mistral-gqa", "mistral", {"kv_heads": 2}),
+    Case("qwen2-gqa", "qwen2", {"kv_heads": 2}),
+    Case("qwen2-odd", "qwen2", {"kv_heads": 1, **_ODD}),
+    Case("qwen3-gqa", "qwen3", {"kv_heads": 2}),
+    Case("phi3", "phi3", {"kv_heads": 2}),
+    Case("gpt2", "gpt2"),
+    # MoE: without and with expert parallelism, both placements.
+    Case("mixtral", "mixtral", {"kv_heads": 2}, options=MOE),
+    Case("mixtral-4experts", "mixtral", {"kv_heads": 2, "num_local_experts": 4}, tps=(8,), options=MOE,
+         note="8 ranks, 4 experts: refused without EP; with EP, ranks 4..7 hold no expert"),
+    Case("qwen3_moe", "qwen3_moe", {"kv_heads": 2}, options=MOE),
+    Case("qwen3_moe-fused", "qwen3_moe", {"kv_heads": 2, "fused_experts": True}, tps=(1, 2), options=MOE,
+         note="transformers 5 3-D expert tensors"),
+    Case("deepseek_v3", "deepseek_v3", {}, options=MOE, note="q_lora_rank 32, 2 expert groups"),
+    Case("deepseek_v2_lite", "deepseek_v3", {"q_lora_rank": None}, options=MOE, note="q_lora_rank null"),
+    # Quantized dense checkpoints written by the real tools.
+    *(
+        Case(f"quant-{name}", fixture=name, tps=(1, 2, 4), options=_QUANT_OPTIONS.get(name, DENSE),
+             vllm_cannot=_VLLM_CANNOT.get(name, ""))
+        for name in (
+            "awq_gemm", "awq_gemm_sym", "ct_fp8_block", "ct_fp8_channel", "ct_fp8_tensor", "ct_w4a16_asym",
+            "ct_w4a16_sym", "ct_w8a8", "gptq_actorder", "gptq_v1", "gptq_v1_zero0", "gptq_v2", "hf_fp8_block",
+            "hf_fp8_block_ue8m0", "llmc_fp8_kv", "quark_fp8", "quark_native_kv",
+        )
+    ),
+)
+
+
+def select(cases: tuple[Case, ...], patterns: list[str]) -> tuple[Case, ...]:
+    """The cases whose name contains any of ``patterns`` (all when none are given)."""
+    if not patterns:
+        return cases
+    return tuple(c for c in cases if any(p in c.name for p in patterns))

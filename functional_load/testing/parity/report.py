@@ -1,0 +1,46 @@
+"""The parity table of docs/parity.md, from the rows of a run."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+from ...vllm_target import VLLM_VERSION
+from .run import Row
+
+
+def markdown(rows: list[Row], summary: str) -> str:
+    """One line per (case, tp, options): how many ranks were identical, or what happened."""
+    groups: dict[tuple[str, int, str], list[Row]] = defaultdict(list)
+    for row in rows:
+        groups[(row.case, row.tp, row.options)].append(row)
+    lines = [
+        f"<!-- written by `python -m functional_load.testing.parity --markdown ...` against vLLM {VLLM_VERSION} -->",
+        "",
+        f"**{summary}** (vLLM {VLLM_VERSION}, CPU build).",
+        "",
+        "| case | tp | options | ranks | outcome | detail |",
+        "|---|---|---|---|---|---|",
+    ]
+    for (case, tp, options), group in groups.items():
+        outcomes = sorted({r.outcome for r in group})
+        ranks = "all" if group[0].rank is None else str(len(group))
+        detail = next((r.detail for r in group if r.detail), "")
+        detail = detail.replace("|", "\\|")
+        lines.append(f"| {case} | {tp} | {options} | {ranks} | {', '.join(outcomes)} | {detail} |")
+    return "\n".join(lines) + "\n"
+
+
+BEGIN, END = "<!-- parity table: begin -->", "<!-- parity table: end -->"
+
+
+def update(path: Path, rows: list[Row], summary: str) -> None:
+    """Replace the table between the markers of ``path`` (docs/parity.md), or write a new file."""
+    table = markdown(rows, summary)
+    text = path.read_text() if path.exists() else ""
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        text = f"{head}{BEGIN}\n{table}{END}{rest.split(END, 1)[1]}"
+    else:
+        text = f"{BEGIN}\n{table}{END}\n"
+    path.write_text(text)

@@ -1,0 +1,260 @@
+"""The vLLM side of the parity harness: real vLLM loads one rank at a time and saves it.
+
+Runs inside the vLLM virtual environment (``python vllm_worker.py JOBS.json OUT_DIR``); it
+imports vLLM, torch, safetensors and the standard library only, never functional_load.
+
+For every job (a model directory, a tensor-parallel size and vLLM options) it builds vLLM's real
+``VllmConfig`` with ``EngineArgs(...).create_engine_config()``, starts a real one-process world
+(gloo), and for each rank ``r`` replaces ``vllm.distributed.parallel_state._TP`` with a proxy
+over the real group that reports ``world_size=tp`` and ``rank_in_group=r``: every TP getter (and
+the MoE expert-parallel config, which derives from it) reads it at call time. It then builds the
+model as ``DefaultModelLoader`` does, fills every parameter with 0xFF bytes (NaN for floats, -1
+for integers, so elements vLLM never writes stand out), runs vLLM's own ``load_weights`` on
+vLLM's own safetensors iterator, and saves the rank's parameters. ``process_weights_after_loading``
+is not run: it converts to CPU kernel formats.
+
+Output per job: ``OUT_DIR/<id>/rank<r>.safetensors`` and ``OUT_DIR/<id>/result.json`` with, per
+rank, ``status`` ("ok" or "refused"), vLLM's error (type and message) when refused, the
+parameters that alias another one (``aliases``: name -> name, tied or shared modules), the
+parameters vLLM's loader never writes (``initial``: saved with the value vLLM created them
+with, e.g. the -1.0 of an absent KV-cache scale), the buffers (listed, not saved) and the
+expert placement vLLM used per MoE layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import socket
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+
+class _TPProxy:
+    """The real TP group, reporting another size and rank to vLLM's weight loaders."""
+
+    def __init__(self, real: Any, world_size: int, rank: int) -> None:
+        self._real = real
+        self.world_size = world_size
+        self.rank_in_group = rank
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _error(exc: BaseException) -> dict[str, str]:
+    message = str(exc).strip() or repr(exc)
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = next((f"{Path(f.filename).name}:{f.lineno}" for f in reversed(frames) if "vllm" in f.filename), "")
+    return {"type": type(exc).__name__, "message": message[:2000], "where": where}
+
+
+class _Capture(logging.Handler):
+    """Collects vLLM's warnings for the report."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _engine_config(job: dict[str, Any]) -> Any:
+    from vllm.engine.arg_utils import EngineArgs
+
+    kwargs: dict[str, Any] = {
+        "model": job["model"],
+        "tensor_parallel_size": job["tp"],
+        "enable_expert_parallel": bool(job.get("expert_parallel", False)),
+        "skip_tokenizer_init": True,
+        "enforce_eager": True,
+        "dtype": job.get("dtype", "auto"),
+        "load_format": job.get("load_format", "auto"),
+        "use_tqdm_on_load": False,
+    }
+    if job.get("expert_placement"):
+        kwargs["expert_placement_strategy"] = job["expert_placement"]
+    if job.get("num_redundant_experts"):
+        kwargs["enable_eplb"] = True
+        kwargs["eplb_config"] = {"num_redundant_experts": job["num_redundant_experts"]}
+    if job.get("quantization"):
+        kwargs["quantization"] = job["quantization"]
+    kwargs.update(job.get("engine_args", {}))
+    return EngineArgs(**kwargs).create_engine_config()
+
+
+def _fill(model: Any, byte: int) -> None:
+    """``byte`` in every byte of every parameter (0xFF: NaN in every float format, -1 in every integer)."""
+    import torch
+
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.numel():
+                param.data.view(-1).view(torch.uint8).fill_(byte)
+
+
+def _build_and_load(cfg: Any, rank: int, tp: int, byte: int) -> tuple[Any, dict[str, Any]]:
+    """vLLM's model for ``rank`` of ``tp``, every parameter filled with ``byte``, then loaded
+    by vLLM's own loader; also the parameters' values as vLLM created them."""
+    import torch
+    import vllm.distributed.parallel_state as ps
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    real = ps._TP
+    ps._TP = _TPProxy(real, tp, rank)
+    try:
+        cfg.compilation_config.static_forward_context.clear()
+        loader = DefaultModelLoader(cfg.load_config)
+        with set_default_torch_dtype(cfg.model_config.dtype), torch.device("cpu"):
+            model = initialize_model(vllm_config=cfg, model_config=cfg.model_config)
+        created = {name: p.detach().clone() for name, p in model.named_parameters(remove_duplicate=False)}
+        _fill(model, byte)
+        loader.load_weights(model, cfg.model_config)
+    finally:
+        ps._TP = real
+    return model, created
+
+
+def _all_bytes(tensor: Any, byte: int) -> bool:
+    import torch
+
+    return bool(tensor.numel()) and bool(torch.all(tensor.contiguous().view(-1).view(torch.uint8) == byte))
+
+
+def _load_rank(cfg: Any, rank: int, tp: int) -> dict[str, Any]:
+    """One rank as vLLM loads it. A parameter vLLM's loader never writes (still all 0xFF, and
+    still all 0xFE when loaded again over 0xFE) keeps the value vLLM created it with and is
+    listed under ``initial``; elements of other parameters never written stay 0xFF."""
+    model, created = _build_and_load(cfg, rank, tp, 0xFF)
+    params: dict[str, Any] = {}
+    aliases: dict[str, str] = {}
+    owner: dict[tuple[int, int, tuple[int, ...], str], str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        key = (param.untyped_storage().data_ptr(), param.storage_offset(), tuple(param.shape), str(param.dtype))
+        if param.numel() and key in owner:
+            aliases[name] = owner[key]
+            continue
+        owner.setdefault(key, name)
+        params[name] = param.detach().clone().contiguous()
+    initial = []
+    suspects = [name for name, t in params.items() if _all_bytes(t, 0xFF)]
+    if suspects:
+        again, _ = _build_and_load(cfg, rank, tp, 0xFE)
+        second = dict(again.named_parameters(remove_duplicate=False))
+        for name in suspects:
+            if _all_bytes(second[name].detach(), 0xFE):
+                params[name] = created[name].contiguous()
+                initial.append(name)
+    return {
+        "params": params,
+        "aliases": aliases,
+        "initial": initial,
+        "buffers": sorted(name for name, _ in model.named_buffers(remove_duplicate=False)),
+        "experts": _placements(model),
+    }
+
+
+def _placements(model: Any) -> dict[str, Any]:
+    """The expert placement vLLM used, per MoE layer: strategy and the global expert of each local slot."""
+    import torch
+
+    out = {}
+    for name, module in model.named_modules():
+        manager = getattr(module, "expert_map_manager", None)
+        if manager is None or name.endswith("expert_map_manager"):
+            continue
+        expert_map = manager.expert_map
+        if expert_map is None:
+            local = list(range(manager.global_num_experts))
+        else:
+            ids = torch.nonzero(expert_map >= 0).flatten().tolist()
+            local = sorted(ids, key=lambda g: int(expert_map[g]))
+        out[name] = {"placement": manager.placement_strategy, "local_experts": local}
+    return out
+
+
+def _kernels_available() -> None:
+    """Let vLLM pick its CPU kernels for FP8 block layers on CPUs without AMX tiles: only the
+    layers' weights are created and loaded here, no kernel ever runs."""
+    import torch
+
+    import vllm._custom_ops as ops
+
+    torch.cpu._is_amx_tile_supported = lambda: True
+    ops._supports_cpu_fp8_w8a16 = True
+
+
+def run(jobs: list[dict[str, Any]], out_dir: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed.parallel_state import destroy_model_parallel
+
+    _kernels_available()
+    capture = _Capture()
+    logging.getLogger("vllm").addHandler(capture)
+    initialized = False
+    for job in jobs:
+        job_dir = out_dir / job["id"]
+        job_dir.mkdir(parents=True, exist_ok=True)
+        result: dict[str, Any] = {"job": job, "ranks": {}}
+        capture.messages.clear()
+        try:
+            cfg = _engine_config(job)
+        except Exception as exc:  # vLLM refuses the configuration as a whole
+            result["refused"] = _error(exc)
+            (job_dir / "result.json").write_text(json.dumps(result, indent=1))
+            print(f"{job['id']}: config refused: {result['refused']['message'][:200]}", flush=True)
+            continue
+        with set_current_vllm_config(cfg):
+            if not initialized:
+                init_distributed_environment(
+                    world_size=1, rank=0, local_rank=0,
+                    distributed_init_method=f"tcp://127.0.0.1:{_free_port()}", backend="gloo",
+                )
+                initialized = True
+            destroy_model_parallel()  # the groups depend on the model (an EP group for MoE models)
+            initialize_model_parallel(1, 1)
+            for rank in job.get("ranks") or range(job["tp"]):
+                capture.messages.clear()
+                entry: dict[str, Any] = {}
+                try:
+                    with torch.no_grad():
+                        loaded = _load_rank(cfg, rank, job["tp"])
+                except Exception as exc:
+                    entry = {"status": "refused", "error": _error(exc)}
+                else:
+                    save_file(loaded.pop("params"), str(job_dir / f"rank{rank}.safetensors"))
+                    entry = {"status": "ok", **loaded}
+                entry["warnings"] = sorted(set(capture.messages))
+                result["ranks"][str(rank)] = entry
+                print(f"{job['id']} rank {rank}: {entry['status']}", flush=True)
+        (job_dir / "result.json").write_text(json.dumps(result, indent=1))
+
+
+def main() -> None:
+    jobs = json.loads(Path(sys.argv[1]).read_text())
+    out_dir = Path(sys.argv[2])
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # vLLM's own chatter goes to the log; the report reads result.json.
+    with contextlib.redirect_stderr(io.StringIO()) if os.environ.get("PARITY_QUIET") else contextlib.nullcontext():
+        run(jobs, out_dir)
+
+
+if __name__ == "__main__":
+    main()
