@@ -27,7 +27,7 @@ from .sharding import Box, box_volume, full_box
 
 # Parameters that hold quantization scales: every element must be finite (and, for FP8/int8
 # and KV-cache scales, positive).
-SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scale", ".scales", ".k_scale", ".v_scale")
+SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scale", ".scales", ".q_scale", ".k_scale", ".v_scale", ".prob_scale")
 ALIGN = 64
 CHUNK_BYTES = 16 << 20  # copies larger than this are split, so several threads share a big tensor
 
@@ -205,7 +205,7 @@ def load_param(plan: Plan, param: ParamPlan, reader: Reader, dtype: str | None =
     for copy in param.copies:
         _copy(plan, tensor, copy, reader)
     _verify_shared(plan, param, tensor, reader)
-    if param.spec.name.endswith(SCALE_SUFFIXES):
+    if param.spec.name.endswith(SCALE_SUFFIXES) and param.copies:
         _check_scale(plan, param, tensor)
     return tensor
 
@@ -245,7 +245,8 @@ def execute(
         for param in scales:
             for copy in param.copies:
                 _copy(plan, out[param.spec.name], copy, reader)
-            _check_scale(plan, param, out[param.spec.name])
+            if param.copies:  # a default (vLLM's -1.0 "absent" KV scale) is not checkpoint data
+                _check_scale(plan, param, out[param.spec.name])
         jobs = sorted(
             (
                 (p, piece)

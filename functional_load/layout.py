@@ -6,6 +6,7 @@ descriptors, with no memory allocated. It is a pure function of its inputs.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
@@ -32,6 +33,7 @@ from .sharding import (
     vocab_shard,
 )
 from .spec import ArchSpec, ModuleSpec, evaluate
+from .vllm_target import VLLM_VERSION
 
 # A config asking for more layers than this is corrupt or hostile (real models have a few hundred
 # at most); expanding it would take unbounded time and memory before any check could fail.
@@ -98,8 +100,7 @@ class ParamSpec:
     dtype: str  # a torch dtype name, or "checkpoint": keep the checkpoint tensor's dtype
     sharding: Sharding
     transposed: bool = False
-    default: float | None = None  # value when the checkpoint lacks it (KV-cache scales: 1.0)
-    fallback: str | None = None  # load from the same tensor as this parameter when absent (v_scale <- k_scale)
+    default: float | None = None  # value when the checkpoint lacks it (KV-cache scales: vLLM's created value)
     derived: bool = False  # computed at load from another parameter (scales of online quantization)
 
 
@@ -218,8 +219,9 @@ def _module_params(module: ModuleSpec, name: str, scope: _Scope, dtype: str, qua
                 shape, pinned = shape["shape"], shape.get("dtype", dtype)
             params.append((suffix, tuple(scope.int(d, f"{module.pattern}.{suffix}") for d in shape), Replicated(), pinned))
         return params
-    if module.kind == "kv_cache":  # present when the model is quantized; absent scales default to 1.0
-        return [("k_scale", (), Replicated(), "float32"), ("v_scale", (), Replicated(), "float32")] if quant else []
+    if module.kind == "kv_cache":  # the quantization method's KV-cache parameters (none when unquantized)
+        kv = quant.kv_params if quant else ()
+        return [(n, shape, Replicated(), dtype if p_dtype == "model" else p_dtype) for n, shape, p_dtype, _ in kv]
     if module.kind == "experts":
         experts = scope.int(f["experts"], f"{module.pattern}.experts")
         hidden = scope.int(f["in"], f"{module.pattern}.in")
@@ -229,8 +231,8 @@ def _module_params(module: ModuleSpec, name: str, scope: _Scope, dtype: str, qua
         w13 = Split(0, (Segment("w1", inter, label="expert intermediate rows"), Segment("w3", inter, label="expert intermediate rows")))
         w2 = Split(1, (Segment("w2", inter, label="expert intermediate columns"),))
         return [
-            ("w13_weight", (experts, 2 * inter, hidden), ExpertSplit(experts, w13), dtype),
-            ("w2_weight", (experts, hidden, inter), ExpertSplit(experts, w2), dtype),
+            ("routed_experts.w13_weight", (experts, 2 * inter, hidden), ExpertSplit(experts, w13), dtype),
+            ("routed_experts.w2_weight", (experts, hidden, inter), ExpertSplit(experts, w2), dtype),
         ]
     linear = _linear(module, scope)
     scheme = quant.scheme_for(name, _checkpoint_modules(name, layout_stages)) if quant else None
@@ -263,6 +265,7 @@ def local_shape(shape: tuple[int, ...], sharding: Sharding, parallel: Parallel) 
     if isinstance(sharding, Slots):
         return (len(sharding.ids),)
     if isinstance(sharding, Blocked):
+        sharding.check(parallel.tp_size)
         for other in range(parallel.tp_size):  # every rank accepts the split, or none does
             blocked_pieces(sharding, parallel.tp_size, other, fused=False)
         pieces = blocked_pieces(sharding, parallel.tp_size, parallel.rank, fused=False)
@@ -310,6 +313,29 @@ def model_tp_sizes(
     return sizes
 
 
+def _served_placement(spec: ArchSpec, scope: _Scope, parallel: Parallel, warn: bool) -> Parallel:
+    """The expert placement vLLM serves: round-robin only with expert parallelism over several
+    ranks, for models with more than one expert group and no redundant experts; otherwise
+    linear (with a warning when round-robin was asked for and cannot be served)."""
+    experts = [m for m in spec.modules if m.kind == "experts"]
+    if parallel.expert_placement != "round_robin" or not experts:
+        return parallel
+    linear = replace(parallel, expert_placement="linear")
+    if parallel.ep_size == 1:
+        return linear
+    groups = scope.int(experts[0].fields.get("groups", 1), f"{experts[0].pattern}.groups")
+    if groups > 1 and parallel.num_redundant_experts == 0:
+        return parallel
+    if warn:
+        why = f"{spec.name} has {groups} expert group(s)" if groups <= 1 else f"{parallel.num_redundant_experts} redundant experts"
+        warnings.warn(
+            f"expert_placement='round_robin' falls back to 'linear', as vLLM {VLLM_VERSION} serves it: round-robin "
+            f"placement needs more than one expert group and no redundant experts ({why}); the plan records 'linear'",
+            stacklevel=4,
+        )
+    return linear
+
+
 def build_layout(
     config: Mapping[str, Any], spec: ArchSpec, parallel: Parallel, dtype: str, quant: QuantConfig | None = None,
     *, report: bool = True,
@@ -325,7 +351,9 @@ def build_layout(
             f"{spec.name}.layers = {spec.layers!r} evaluated to {num_layers}, more than the {MAX_LAYERS} layers any "
             f"real model has; config.json is corrupt"
         )
+    parallel = _served_placement(spec, scope, parallel, warn=report)
     params: dict[str, ParamSpec] = {}
+    kv_defaults = {n: value for n, _, _, value in (quant.kv_params if quant else ())}
     problems: list[str] = []
     failed: set[str] = set()
     for module, name, module_scope in _instances(spec, scope, num_layers):
@@ -343,9 +371,8 @@ def build_layout(
                     dtype=param_dtype,
                     sharding=sharding,
                     transposed=transposed and suffix == "weight" and len(shape) == 2,
-                    default=1.0 if module.kind == "kv_cache" else None,
+                    default=kv_defaults.get(suffix) if module.kind == "kv_cache" else None,
                     derived=name in schemes and schemes[name].online and suffix != "weight",
-                    fallback=f"{name}.k_scale" if module.kind == "kv_cache" and suffix == "v_scale" else None,
                 )
         except ShardingError as exc:
             failed.add(module.pattern)

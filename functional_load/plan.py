@@ -18,8 +18,10 @@ from .dtypes import itemsize, torch_name
 from .errors import PlanError, ShardingError
 from .layout import Layout, ParamSpec, Parallel
 from .mapping import map_name
-from .quant.schemes import CHECKPOINT_DTYPE, QuantScheme
+from .quant.schemes import QuantScheme
 from .sharding import (
+    Pick,
+    Replicated,
     Blocked,
     Box,
     ExpertSplit,
@@ -116,6 +118,8 @@ class Plan:
             "arch": self.arch,
             "tp_size": self.parallel.tp_size,
             "rank": self.parallel.rank,
+            "expert_parallel": self.parallel.expert_parallel,
+            "expert_placement": self.parallel.expert_placement,
             "dtype": self.dtype,
             "bytes_to_read": self.bytes_to_read,
             "output_bytes": self.output_bytes,
@@ -200,6 +204,8 @@ def _sharding_json(spec: ParamSpec) -> dict[str, Any]:
         return {"kind": "experts", "num_experts": s.num_experts, "inner": split(s.inner)}
     if isinstance(s, (Slots, Shared)):
         return {"kind": type(s).__name__.lower(), "ids": list(s.ids)}
+    if isinstance(s, Pick):
+        return {"kind": "pick", "ids": list(s.ids), "keep": s.keep}
     if isinstance(s, Blocked):
         return {"kind": "blocked", "block": s.block, "split": split(s.split)}
     return {"kind": "replicated"}
@@ -276,6 +282,11 @@ def _contribution(
         if shard_id is not None and shard_id not in sharding.ids:
             raise ShardingError(f"{spec.name}: shard id {shard_id!r} is not one of {list(sharding.ids)}")
         return _Contribution(tuple((full_box(spec.shape), local, i) for i in ids), (), spec.shape)
+    if isinstance(sharding, Pick):
+        if shard_id is not None and shard_id not in sharding.ids:
+            raise ShardingError(f"{spec.name}: shard id {shard_id!r} is not one of {list(sharding.ids)}")
+        keep = shard_id is None or shard_id == sharding.keep
+        return _Contribution(((full_box(spec.shape), local, sharding.keep),) if keep else (), (), spec.shape)
     if isinstance(sharding, Slots):
         if shard_id is None:
             ids = list(sharding.ids)
@@ -285,10 +296,10 @@ def _contribution(
             raise ShardingError(f"{spec.name}: shard id {shard_id!r} is not one of its scale slots {list(sharding.ids)}")
         pairs = [(full_box(scalar), ((i, i + 1),), slot) for i, slot in enumerate(sharding.ids) if slot in ids]
         return _Contribution(tuple(pairs), (), scalar)
-    if spec.shape == ():
+    if spec.shape in ((), (1,)) and isinstance(sharding, Replicated):  # a scalar, stored 0-dim or [1]
         if shard_id is not None:
             raise ShardingError(f"{spec.name}: a scalar parameter takes no shard id, got {shard_id!r}")
-        return _Contribution(((full_box(scalar), (), None),), (), scalar)
+        return _Contribution(((full_box(scalar), local, None),), (), scalar)
     if isinstance(sharding, Blocked):
         tp, rank = (1, 0) if sharding.split.disable_tp else (parallel.tp_size, parallel.rank)
         pairs, expected = _blocked_pairs(sharding, spec.shape, local, shard_id, tp, rank, spec.name)
@@ -325,6 +336,8 @@ def expected_slots(spec: ParamSpec, parallel: Parallel) -> list[Any]:
     sharding = spec.sharding
     if isinstance(sharding, (Slots, Shared)):
         return list(sharding.ids)
+    if isinstance(sharding, Pick):
+        return [sharding.keep]
     if isinstance(sharding, Blocked):
         return [seg.id for seg in sharding.split.segments]
     if isinstance(sharding, ExpertSplit):
@@ -419,7 +432,8 @@ def make_plan(layout: Layout, checkpoint: Checkpoint) -> Plan:
                     f"to the parameter dtype {spec.dtype} of {spec.name}"
                 )
                 continue
-            keys = [(spec.name, slot) for _, _, slot in part.pairs]
+            # a vocabulary shard that is all padding takes nothing from the tensor but is complete
+            keys = [(spec.name, slot) for _, _, slot in part.pairs] or [(spec.name, None)] * bool(part.zeros)
             clash = next((filled[k] for k in keys if k in filled), None)
             if clash is not None:
                 problems.append(f"checkpoint tensors {clash!r} and {name!r} both fill parameter {spec.name}")
@@ -439,11 +453,9 @@ def make_plan(layout: Layout, checkpoint: Checkpoint) -> Plan:
     for spec in params.values():
         wanted = expected_slots(spec, layout.parallel)
         absent = [slot for slot in wanted if (spec.name, slot) not in filled]
-        if spec.derived:
+        if spec.derived or not wanted:  # nothing to fill (an EP rank past the experts holds none)
             continue
-        if len(absent) == len(wanted) and spec.fallback in copies:  # v_scale from k_scale's tensor
-            copies[spec.name] = list(copies[spec.fallback])
-        elif len(absent) == len(wanted) and spec.default is not None:
+        if len(absent) == len(wanted) and spec.default is not None:
             fills[spec.name] = spec.default
         elif len(absent) == len(wanted):
             missing.append(spec.name)
@@ -479,7 +491,7 @@ def make_plan(layout: Layout, checkpoint: Checkpoint) -> Plan:
         dtype=layout.dtype,
         params=tuple(
             ParamPlan(
-                _resolve_dtype(s, copies[s.name], used),
+                s,
                 tuple(_merge_expert_runs(sorted(copies[s.name], key=lambda c: c.dst))),
                 tuple(zeros[s.name]),
                 fills.get(s.name),
@@ -494,17 +506,7 @@ def make_plan(layout: Layout, checkpoint: Checkpoint) -> Plan:
     )
 
 
-def _resolve_dtype(spec: ParamSpec, copies: list[Copy], tensors: Mapping[str, TensorInfo]) -> ParamSpec:
-    """A parameter that keeps the checkpoint's dtype takes it from its (first) source tensor."""
-    if spec.dtype != CHECKPOINT_DTYPE:
-        return spec
-    dtype = torch_name(tensors[copies[0].tensor].dtype) if copies else "float32"
-    return replace(spec, dtype=dtype)
-
-
 def _float_compatible(checkpoint_dtype: str, param_dtype: str) -> bool:
-    if param_dtype == CHECKPOINT_DTYPE:
-        return True
     source = torch_name(checkpoint_dtype)
     is_float = source.startswith(("float", "bfloat"))
     return is_float == param_dtype.startswith(("float", "bfloat")) or source == param_dtype

@@ -107,7 +107,8 @@ def save_sharded(
             rank = plan.parallel.rank
             name = f"model-rank-{rank}-of-{plan.parallel.tp_size}-{save_id}.safetensors"
             unique = {id(t): (n, t) for n, t in reversed(list(state.items()))}  # tied aliases stored once
-            tensors = {n: t.contiguous() for n, t in (v for v in unique.values())}
+            fills = {p.spec.name for p in plan.params if p.fill is not None}  # defaults: in the manifest only
+            tensors = {n: t.contiguous() for n, t in unique.values() if n not in fills}
             _step(f"write rank {rank}")
             save_file(tensors, str(work / name), metadata={"format": "pt", "rank": str(rank)})
             written.append(work / name)
@@ -330,6 +331,8 @@ def sharded_checkpoint(directory: str | os.PathLike, manifest: Mapping[str, Any]
         header = headers[entry["file"]]
         aliases = entry.get("aliases", {})
         for param, record in entry["params"].items():
+            if not record["sources"]:
+                continue  # a default value, not stored
             info = header.get(param) or header.get(aliases.get(param, ""))
             if info is None:
                 raise FormatError(f"{directory / entry['file']}: has no tensor {param!r}, which the manifest lists")
@@ -435,6 +438,10 @@ def plan_sharded(directory: str | os.PathLike, manifest: Mapping[str, Any], layo
     header = read_header(directory / entry["file"])
     params, problems = [], []
     for spec in layout.params.values():
+        fill = entry["params"].get(spec.name, {}).get("fill")
+        if fill is not None:  # a default value (an absent KV-cache scale), not stored in the rank file
+            params.append(ParamPlan(spec, (), fill=fill))
+            continue
         info = header.get(spec.name)
         if info is None:
             problems.append(f"{spec.name} is not in {entry['file']}")
@@ -455,5 +462,5 @@ def plan_sharded(directory: str | os.PathLike, manifest: Mapping[str, Any], layo
     schemes = {m: replace(q, online=False) for m, q in layout.schemes.items()}
     return Plan(
         model_dir=str(directory), arch=layout.arch, parallel=parallel, dtype=layout.dtype, params=tuple(params),
-        tensors={p.spec.name: header[p.spec.name] for p in params}, aliases=layout.aliases, schemes=schemes,
+        tensors={p.spec.name: header[p.spec.name] for p in params if p.copies}, aliases=layout.aliases, schemes=schemes,
     )

@@ -121,6 +121,39 @@ class Blocked:
 
     split: Split
     block: int
+    # Which block-shape check applies: "strict" (vLLM's validate_fp8_block_shape), "fp8" (vLLM's
+    # fp8 config: as strict, but a merged layer with a partition off the block grid is let
+    # through) or "none" (scales computed per rank while loading: online quantization).
+    rule: str = "strict"
+
+    def __post_init__(self) -> None:
+        if self.block < 1:
+            raise ConfigError(f"block quantization needs a positive block size, got {self.block}; check config.json")
+        if self.rule not in ("strict", "fp8", "none"):
+            raise ValueError(f"Blocked.rule must be 'strict', 'fp8' or 'none', got {self.rule!r}")
+
+    def check(self, tp_size: int) -> None:
+        """vLLM's ``validate_fp8_block_shape``: at ``tp_size``, a row-parallel slice must be a
+        whole number of blocks; so must every output partition of a column-parallel layer split
+        over the ranks, or, unsplit, every partition of a merged layer but its last."""
+        if self.rule == "none":
+            return
+        split, block = self.split, self.block
+        tp = 1 if split.disable_tp else tp_size
+        sizes = [p.dst[1] - p.dst[0] for p in split_pieces(split, tp, 0)]
+        if split.dim == 1:
+            if tp > 1 and sizes[0] % block:
+                raise ShardingError(
+                    f"Weight input_size_per_partition = {sizes[0]} is not divisible by weight quantization block_k = {block}."
+                )
+            return
+        merged = len(sizes) > 1
+        if self.rule == "fp8" and merged and any(n % block for n in sizes):
+            return
+        tp_split = tp > 1 and split.rows // sum(sizes) == tp
+        for n in sizes if tp_split else sizes[:-1]:
+            if n % block:
+                raise ShardingError(f"Weight output_partition_size = {n} is not divisible by weight quantization block_n = {block}.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +165,17 @@ class Shared:
     ids: tuple[ShardId, ...]
 
 
-Sharding = Union[Replicated, Split, VocabSplit, ExpertSplit, Slots, Blocked, Shared]
+@dataclass(frozen=True, slots=True)
+class Pick:
+    """A tensor every part of a fused layer stores, of which vLLM keeps one: the part ``keep``
+    fills the parameter, the others are not read (compressed-tensors ``weight_shape``, where
+    vLLM keeps the last part it loads). The same on every rank."""
+
+    ids: tuple[ShardId, ...]
+    keep: ShardId
+
+
+Sharding = Union[Replicated, Split, VocabSplit, ExpertSplit, Slots, Blocked, Shared, Pick]
 
 PLACEMENTS = ("linear", "round_robin")
 
@@ -285,15 +328,11 @@ def compute_local_expert_ids(num_experts: int, ep_size: int, ep_rank: int, place
     """The expert ids ``ep_rank`` holds (vLLM ``compute_local_expert_ids`` / ``determine_expert_map``).
 
     ``linear``: contiguous blocks of ``E // ep``, the first ``E % ep`` ranks one more;
-    ``round_robin``: ``ep_rank, ep_rank + ep, ...``.
+    ``round_robin``: ``ep_rank, ep_rank + ep, ...``. With more ranks than experts the ranks past
+    the experts hold none (vLLM loads them with zero local experts).
     """
     if placement not in PLACEMENTS:
         raise ShardingError(f"unknown expert placement {placement!r}; use one of {PLACEMENTS}")
-    if num_experts < ep_size:
-        raise ShardingError(
-            f"{num_experts} experts cannot be spread over ep={ep_size} ranks: ranks {num_experts}..{ep_size - 1} "
-            f"would hold no expert; use an expert-parallel size of at most {num_experts}"
-        )
     if placement == "round_robin":
         return tuple(range(ep_rank, num_experts, ep_size))
     base, rem = divmod(num_experts, ep_size)

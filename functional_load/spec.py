@@ -150,7 +150,7 @@ class ArchSpec:
 def _stage(stage: Mapping[str, Any], where: str) -> Stage:
     rules = []
     for kind, entries in stage.items():
-        if kind == "when":
+        if kind in ("when", "replace"):
             continue
         if kind not in RULE_KINDS:
             raise ConfigError(f"{where}: unknown mapping rule kind {kind!r}; expected one of {RULE_KINDS}")
@@ -211,7 +211,8 @@ def _builtin_raw() -> dict[str, tuple[dict[str, Any], str]]:
 def _resolve(data: dict[str, Any], source: str, raw: Mapping[str, tuple[dict[str, Any], str]], seen: tuple[str, ...] = ()) -> dict[str, Any]:
     """Apply ``extends``: start from the base spec; ``dims``, each module's fields and each
     mapping stage's rules (stage by stage, in order) are updated key by key (``kind = "none"``
-    removes a module); everything else is replaced."""
+    removes a module; a stage with ``replace = true`` replaces the base's stage instead of
+    updating it); everything else is replaced."""
     base_name = data.get("extends")
     if base_name is None:
         return data
@@ -237,7 +238,9 @@ def _resolve(data: dict[str, Any], source: str, raw: Mapping[str, tuple[dict[str
         elif key == "stages":
             stages = [dict(stage) for stage in base.get("stages", [])]
             for i, stage in enumerate(value):
-                if i < len(stages):
+                if i < len(stages) and stage.get("replace"):  # the base's stage i does not apply
+                    stages[i] = {k: v for k, v in stage.items() if k != "replace"}
+                elif i < len(stages):
                     for kind, rules in stage.items():
                         stages[i][kind] = {**stages[i].get(kind, {}), **rules} if isinstance(rules, dict) else rules
                 else:

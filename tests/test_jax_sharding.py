@@ -50,9 +50,9 @@ def expected_dim(name: str) -> int | None:
         return 0  # vocab-parallel
     if name.endswith(("o_proj.weight", "down_proj.weight")):
         return 1  # row-parallel
-    if name.endswith("experts.w13_weight"):
+    if name.endswith("experts.routed_experts.w13_weight"):
         return 1  # [E, 2I/tp, H]
-    if name.endswith("experts.w2_weight"):
+    if name.endswith("experts.routed_experts.w2_weight"):
         return 2  # [E, H, I/tp]
     return None  # norms, router, q/k norms: replicated
 

@@ -7,8 +7,8 @@ vocab 1000 (padded to 1024), 8 routed experts of intermediate 32, bf16, 2 layers
 mixtral / qwen3_moe: both layers sparse, GQA with 2 KV heads. deepseek_v3: MLA attention,
 layer 0 dense (intermediate 128), layer 1 sparse with one shared expert (intermediate 32).
 
-Destination layout (vLLM fused MoE): ``experts.w13_weight [E_local, 2*I_local, H]`` holding
-``[w1 (gate); w3 (up)]`` rows and ``experts.w2_weight [E_local, H, I_local]``. Without expert
+Destination layout (vLLM fused MoE): ``experts.routed_experts.w13_weight [E_local, 2*I_local, H]`` holding
+``[w1 (gate); w3 (up)]`` rows and ``experts.routed_experts.w2_weight [E_local, H, I_local]``. Without expert
 parallelism every rank holds all experts with I split over tp; with it, ``ep = tp``, experts are
 whole and spread by placement.
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -79,6 +80,18 @@ def local_ids(num: int, ep: int, rank: int, placement: str) -> list[int]:
         return list(range(start, start + sizes[rank]))
     assert placement == "round_robin"
     return [e for e in range(num) if e % ep == rank]
+
+
+EXPERT_GROUPS = {"mixtral": 1, "qwen3_moe": 1, "deepseek_v3": 2}  # n_group of the tiny configs
+
+
+def served(arch: str, ep: int, placement: str, redundant: int = 0) -> str:
+    """The placement vLLM 0.32 serves (``determine_expert_placement_strategy``): round-robin only
+    with expert parallelism over several ranks, more than one expert group and no redundant
+    experts; linear otherwise."""
+    if placement == "round_robin" and ep > 1 and EXPERT_GROUPS[arch] > 1 and redundant == 0:
+        return "round_robin"
+    return "linear"
 
 
 def assert_shapes(ranks: list[torch.Tensor], shape: tuple[int, ...], what: str) -> None:
@@ -161,7 +174,7 @@ def reassemble(
                 pytest.fail(f"unexpected parameter {name}")
             continue
         layer, index, rest = m[1], int(m[2]), m[3]
-        if rest in ("block_sparse_moe.experts.w13_weight", "mlp.experts.w13_weight"):
+        if rest in ("block_sparse_moe.experts.routed_experts.w13_weight", "mlp.experts.routed_experts.w13_weight"):
             assert arch == "mixtral" or rest.startswith("mlp."), f"{arch} names its experts {rest}"
             assert (arch == "mixtral") == rest.startswith("block_sparse_moe."), f"{arch}: {name}"
             w2_name = name.replace("w13_weight", "w2_weight")
@@ -253,7 +266,12 @@ def test_moe_ranks_reassemble_to_the_checkpoint(tiny_checkpoint, arch, fused, tp
     path = tiny_checkpoint(arch, **checkpoint_options(arch, fused))
     checkpoint = read_checkpoint_tensors(path)
     assert any((FUSED_EXPERT_RE if fused else PER_EXPERT_RE).match(n) for n in checkpoint), "fixture layout"
-    states = load_all(path, tp, expert_parallel=expert_parallel, expert_placement=placement)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a round-robin fallback warns (test_round_robin_falls_back_as_vllm_serves)
+        states = load_all(path, tp, expert_parallel=expert_parallel, expert_placement=placement)
+    placement = served(arch, tp if expert_parallel else 1, placement)
+    for state in states:
+        assert state.plan.parallel.expert_placement == placement
 
     rebuilt = reassemble(arch, fused, tp, states, expert_parallel, placement)
 
@@ -278,15 +296,18 @@ def test_redundant_experts_repeat_logical_experts(tiny_checkpoint, arch, fused, 
     holds logical expert p % 8 (vLLM phys2log)."""
     path = tiny_checkpoint(arch, **checkpoint_options(arch, fused))
     checkpoint = read_checkpoint_tensors(path)
-    states = load_all(path, 4, expert_parallel=True, expert_placement=placement, num_redundant_experts=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        states = load_all(path, 4, expert_parallel=True, expert_placement=placement, num_redundant_experts=4)
+    placement = served(arch, 4, placement, redundant=4)
     module = "block_sparse_moe" if arch == "mixtral" else "mlp"
     seen = Counter()
     for rank, state in enumerate(states):
         physical = local_ids(EXPERTS + 4, 4, rank, placement)
         assert len(physical) == 3
         for layer in MOE_LAYERS[arch]:
-            w13 = state[f"model.layers.{layer}.{module}.experts.w13_weight"]
-            w2 = state[f"model.layers.{layer}.{module}.experts.w2_weight"]
+            w13 = state[f"model.layers.{layer}.{module}.experts.routed_experts.w13_weight"]
+            w2 = state[f"model.layers.{layer}.{module}.experts.routed_experts.w2_weight"]
             assert tuple(w13.shape) == (3, 2 * EXPERT_INTER, HIDDEN)
             assert tuple(w2.shape) == (3, HIDDEN, EXPERT_INTER)
             for slot, p in enumerate(physical):
@@ -355,9 +376,11 @@ def test_expert_parallel_reads_only_local_experts(tiny_checkpoint, arch, fused, 
     # per expert tensor, how many planned copies (over all ranks) cover each element
     coverage = {n: torch.zeros(tensors[n][0], dtype=torch.int32) for n in tensors if is_expert[n]}
     for rank in range(tp):
-        local = local_ids(EXPERTS, tp, rank, placement)
+        local = local_ids(EXPERTS, tp, rank, served(arch, tp, placement))
         assert len(local) == 2
-        the_plan = fl.plan(path, tp_size=tp, rank=rank, expert_parallel=True, expert_placement=placement)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            the_plan = fl.plan(path, tp_size=tp, rank=rank, expert_parallel=True, expert_placement=placement)
 
         # no copy touches a non-local expert
         for param in the_plan.params:
@@ -458,9 +481,9 @@ def test_unknown_placement_is_a_sharding_error():
 
 
 def test_fewer_experts_than_ep_ranks_in_the_table():
-    with pytest.raises(ShardingError) as info:
-        compute_local_expert_ids(2, 4, 0)
-    assert "2 experts" in str(info.value) and "ep=4" in str(info.value)
+    """vLLM's determine_expert_map: ranks past the experts hold none."""
+    for placement in ("linear", "round_robin"):
+        assert [compute_local_expert_ids(2, 4, r, placement) for r in range(4)] == [(0,), (1,), (), ()]
 
 
 # --- errors ---------------------------------------------------------------------------------------
@@ -485,26 +508,54 @@ def test_expert_intermediate_that_does_not_divide_over_tp(tiny_checkpoint, arch,
     fl.plan(path, tp_size=4, rank=3)
     state = fl.load(path, tp_size=8, rank=3, expert_parallel=True, progress=False)
     moe = "block_sparse_moe" if arch == "mixtral" else "mlp"
-    assert tuple(state[f"model.layers.1.{moe}.experts.w13_weight"].shape) == (1, 72, HIDDEN)
-    assert tuple(state[f"model.layers.1.{moe}.experts.w2_weight"].shape) == (1, HIDDEN, 36)
+    assert tuple(state[f"model.layers.1.{moe}.experts.routed_experts.w13_weight"].shape) == (1, 72, HIDDEN)
+    assert tuple(state[f"model.layers.1.{moe}.experts.routed_experts.w2_weight"].shape) == (1, HIDDEN, 36)
 
 
 def test_fewer_experts_than_ep_ranks(tiny_checkpoint):
+    """2 experts over 4 EP ranks: vLLM loads ranks 2 and 3 with zero local experts."""
     path = tiny_checkpoint("qwen3_moe", kv_heads=KV_HEADS, num_experts=2)
     config = json.loads((path / "config.json").read_text())
     assert config.get("num_local_experts", config.get("num_experts")) == 2
-    for rank in (0, 3):
-        with pytest.raises(ShardingError) as info:
-            fl.plan(path, tp_size=4, rank=rank, expert_parallel=True)
-        message = str(info.value)
-        assert "2 experts" in message and "ep=4" in message, message
-        assert "model.layers.0.mlp.experts" in message, message
+    checkpoint = read_checkpoint_tensors(path)
+    for rank in range(4):
+        state = fl.load(path, tp_size=4, rank=rank, expert_parallel=True, progress=False)
+        w13 = state["model.layers.1.mlp.experts.routed_experts.w13_weight"]
+        w2 = state["model.layers.1.mlp.experts.routed_experts.w2_weight"]
+        held = 1 if rank < 2 else 0
+        assert tuple(w13.shape) == (held, 2 * EXPERT_INTER, HIDDEN) and tuple(w2.shape) == (held, HIDDEN, EXPERT_INTER)
+        if held:
+            gate, up, down = expert_matrices(checkpoint, "qwen3_moe", 1, rank, False)
+            assert_same_bits(w13[0], torch.cat([gate, up]), f"rank {rank} w13")
+            assert_same_bits(w2[0], down, f"rank {rank} w2")
+        else:  # reads no expert byte
+            assert not [c.tensor for p in state.plan.params for c in p.copies if ".experts." in c.tensor]
     # without EP, every rank holds both experts, TP-sharded
     state = fl.load(path, tp_size=4, rank=1, progress=False)
-    assert tuple(state["model.layers.1.mlp.experts.w13_weight"].shape) == (2, 16, HIDDEN)
-    # and 2 ranks of EP hold one expert each
-    state = fl.load(path, tp_size=2, rank=1, expert_parallel=True, progress=False)
-    assert tuple(state["model.layers.1.mlp.experts.w13_weight"].shape) == (1, 64, HIDDEN)
+    assert tuple(state["model.layers.1.mlp.experts.routed_experts.w13_weight"].shape) == (2, 16, HIDDEN)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "deepseek_v3"])
+def test_round_robin_falls_back_as_vllm_serves(tiny_checkpoint, arch):
+    """Round-robin is served only for models with more than one expert group (deepseek_v3's
+    n_group 2 here); otherwise vLLM places linearly and warns, and so does the plan."""
+    path = tiny_checkpoint(arch, **checkpoint_options(arch, False))
+    expected = served(arch, 4, "round_robin")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = fl.plan(path, tp_size=4, rank=1, expert_parallel=True, expert_placement="round_robin")
+    assert plan.parallel.expert_placement == expected
+    fallback = [w for w in caught if "falls back to 'linear'" in str(w.message)]
+    assert len(fallback) == (expected == "linear"), [str(w.message) for w in caught]
+    assert plan.to_json()["expert_placement"] == expected
+    if expected == "round_robin":  # with redundant experts, vLLM places linearly
+        with pytest.warns(UserWarning, match="4 redundant experts"):
+            plan = fl.plan(path, tp_size=4, rank=1, expert_parallel=True, expert_placement="round_robin", num_redundant_experts=4)
+        assert plan.parallel.expert_placement == "linear"
+    # tp 1: a single EP rank holds every expert, silently linear
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert fl.plan(path, tp_size=1, expert_parallel=True, expert_placement="round_robin").parallel.expert_placement == "linear"
 
 
 MISSING = "model.layers.1.mlp.experts.5.up_proj.weight"
@@ -539,7 +590,7 @@ def test_missing_expert_is_named(missing_expert_dir, tp, moe):
     """Ranks that hold expert 5 fail naming the parameter, the expert and w3; the others load."""
     checkpoint = read_checkpoint_tensors(missing_expert_dir)
     if moe.get("expert_parallel"):
-        owners = [r for r in range(tp) if 5 in local_ids(EXPERTS, tp, r, moe["expert_placement"])]
+        owners = [r for r in range(tp) if 5 in local_ids(EXPERTS, tp, r, served("qwen3_moe", tp, moe["expert_placement"]))]
         assert len(owners) == 1
     else:  # every rank holds (a TP slice of) every expert
         owners = list(range(tp))
@@ -547,14 +598,14 @@ def test_missing_expert_is_named(missing_expert_dir, tp, moe):
         if rank in owners:
             with pytest.raises(PlanError) as info:
                 fl.plan(missing_expert_dir, tp_size=tp, rank=rank, **moe)
-            problems = [p for p in info.value.problems if "model.layers.1.mlp.experts.w13_weight" in p]
+            problems = [p for p in info.value.problems if "model.layers.1.mlp.experts.routed_experts.w13_weight" in p]
             assert len(problems) == 1, str(info.value)
             assert "expert 5" in problems[0] and "w3" in problems[0], problems[0]
             assert len(info.value.problems) == 1, str(info.value)  # nothing else is wrong
         else:  # this rank's plan never needs expert 5
             state = fl.load(missing_expert_dir, tp_size=tp, rank=rank, progress=False, **moe)
-            local = local_ids(EXPERTS, tp, rank, moe["expert_placement"])
-            w13 = state["model.layers.1.mlp.experts.w13_weight"]
+            local = local_ids(EXPERTS, tp, rank, served("qwen3_moe", tp, moe.get("expert_placement", "linear")) if moe else "linear")
+            w13 = state["model.layers.1.mlp.experts.routed_experts.w13_weight"]
             for slot, e in enumerate(local):
                 gate, up, _ = expert_matrices(checkpoint, "qwen3_moe", 1, e, False)
                 assert_same_bits(w13[slot, :EXPERT_INTER], gate, f"rank {rank} expert {e} w1")
@@ -591,5 +642,5 @@ def test_expert_count_spellings_plan_identically(tiny_checkpoint, tmp_path, arch
         b = fl.plan(renamed, tp_size=tp, rank=rank, **moe).to_json()
         assert a.pop("model_dir") != b.pop("model_dir")
         assert a == b, f"tp={tp} rank={rank} {moe}"
-        experts = [p for p in a["params"] if p["name"].endswith("experts.w13_weight")]
+        experts = [p for p in a["params"] if p["name"].endswith("experts.routed_experts.w13_weight")]
         assert experts and all(p["global_shape"][0] == EXPERTS for p in experts)

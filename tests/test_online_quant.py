@@ -81,11 +81,17 @@ def within_bound(dequant: torch.Tensor, x: torch.Tensor, scale: torch.Tensor) ->
 
 def _check_extra_keys(config: dict, dense, quantized, modules: list[str], scale_name: str) -> None:
     """The quantized state has the dense state's names plus each linear's weight scale and each
-    layer's KV-cache scales (FP8 models get them, 1.0 when the checkpoint has none, as in vLLM)."""
-    kv = {f"model.layers.{i}.self_attn.attn.{s}" for i in range(config["num_hidden_layers"]) for s in ("k_scale", "v_scale")}
+    layer's KV-cache parameters (vLLM's fp8 config creates q/k/v/prob_scale, 0-dim in the model
+    dtype, -1.0 when the checkpoint has none)."""
+    kv = {
+        f"model.layers.{i}.self_attn.attn.{s}_scale"
+        for i in range(config["num_hidden_layers"])
+        for s in ("q", "k", "v", "prob")
+    }
     assert set(quantized) == set(dense) | {f"{m}.{scale_name}" for m in modules} | kv
     for name in kv - set(dense):
-        assert quantized[name].dim() == 0 and float(quantized[name]) == 1.0, name
+        assert quantized[name].dim() == 0 and float(quantized[name]) == -1.0, name
+        assert quantized[name].dtype == dense["model.embed_tokens.weight"].dtype, name
 
 
 CASES = [("default", 1, 0), ("default", 2, 0), ("default", 2, 1), ("wide", 1, 0), ("wide", 2, 0), ("wide", 2, 1)]

@@ -362,7 +362,7 @@ def test_rotary_permutation_hand_example() -> None:
 # ------------------------------------------------------------------------------------------
 # Output targets on the FP8 fixtures
 
-FP8_FIXTURES = ["ct_fp8_tensor", "quark_fp8", "llmc_fp8_kv", "ct_fp8_channel", "ct_fp8_block", "hf_fp8_block", "hf_fp8_block_ue8m0"]
+FP8_FIXTURES = ["ct_fp8_tensor", "quark_fp8", "llmc_fp8_kv", "ct_fp8_channel", "hf_fp8_block", "hf_fp8_block_ue8m0"]
 _LOADS: dict[tuple[str, int, int, str], fl.LoadedState] = {}
 
 

@@ -19,14 +19,16 @@ from ..mapping import MappingTable
 from .schemes import QuantScheme
 
 
-# vLLM's KV-cache scale names (0.33 ``get_cache_scale_mapper`` + Fp8/Quark output scales).
+# vLLM's KV-cache scale names (``QuantizationConfig.get_cache_scale_mapper`` + Fp8/Quark output scales).
 CACHE_SCALES = MappingTable.from_dicts(
     regex={
         r"\.kv_scale$": ".attn.k_scale",
         r"\.self_attn\.[kv]_proj\.([kv])_scale$": r".self_attn.attn.\1_scale",
         r"\.self_attn\.qk(?:qk)?v_proj\.([kv])_scale$": r".self_attn.attn.\1_scale",
+        r"\.self_attn\.q\.scale$": ".self_attn.attn.q_scale",
         r"\.self_attn\.([kv])_cache\.scale$": r".self_attn.attn.\1_scale",
-        r"(?<!\.attn)\.([kv])_scale$": r".attn.\1_scale",
+        r"(?<!\.attn)\.([qkv])_scale$": r".attn.\1_scale",
+        r"(?<!\.attn)\.([qkv])_zero_point$": r".attn.\1_zero_point",
     },
     suffix={
         ".k_proj.output_scale": ".attn.k_scale",
@@ -34,8 +36,18 @@ CACHE_SCALES = MappingTable.from_dicts(
     },
 )
 
+# The attention layer's KV-cache parameters, as each vLLM KV-cache method creates them:
+# (name, shape, dtype or "model" for the model dtype, the value vLLM creates it with). A
+# checkpoint tensor overwrites the value; an absent one keeps it (vLLM's
+# ``process_weights_after_loading`` later reads -1.0 as "not in the checkpoint").
+KVParam = tuple[str, tuple[int, ...], str, float]
+BASE_KV: tuple[KVParam, ...] = tuple((f"{n}_scale", (), "model", -1.0) for n in ("q", "k", "v", "prob"))
+COMPRESSED_TENSORS_KV: tuple[KVParam, ...] = (
+    *((f"{n}_scale", (1,), "float32", 1.0) for n in ("k", "v", "q")),
+    *((f"{n}_zero_point", (1,), "model", 0.0) for n in ("k", "v", "q")),
+)
+
 # Checkpoint tensors that never become parameters (with why).
-_DROP_WEIGHT_SHAPE = MappingTable.from_dicts(suffix={".weight_shape": None})
 _DROP_G_IDX = MappingTable.from_dicts(suffix={".g_idx": None})
 
 
@@ -47,7 +59,7 @@ class QuantConfig:
     default: QuantScheme | None
     ignore: tuple[str, ...] = ()
     targets: tuple[tuple[str, QuantScheme], ...] = ()  # (regex or name, scheme), compressed-tensors
-    kv_cache: bool = False
+    kv_params: tuple[KVParam, ...] = ()  # the attention layer's KV-cache parameters (BASE_KV, ...)
     mapping: tuple[MappingTable, ...] = field(default=())
 
     def scheme_for(self, module: str, sources: Sequence[str]) -> QuantScheme | None:
@@ -133,15 +145,13 @@ def _fp8(qc: Mapping[str, Any]) -> QuantConfig:
                 f"config.json: The block-wise quantization only supports dynamic activation scheme for now, but got "
                 f"{scheme} activation scheme."
             )
-        ue8m0 = str(qc.get("scale_fmt", "")).lower() == "ue8m0"
+        # vLLM keeps block scales float32, e8m0 (scale_fmt "ue8m0") ones included: powers of two, cast exactly.
         default = QuantScheme(
-            "fp8", strategy="block", block=(int(block[0]), int(block[1])), scale_name="weight_scale_inv",
-            scale_dtype="float8_e8m0fnu" if ue8m0 else "float32",
+            "fp8", strategy="block", block=(int(block[0]), int(block[1])), scale_name="weight_scale_inv", block_rule="fp8"
         )
     else:
         default = QuantScheme("fp8", strategy="tensor", static_input=scheme == "static")
-    kv = qc.get("kv_cache_scheme") is not None
-    return QuantConfig("fp8", default, _ignore(qc), kv_cache=kv, mapping=(CACHE_SCALES,))
+    return QuantConfig("fp8", default, _ignore(qc), kv_params=BASE_KV, mapping=(CACHE_SCALES,))
 
 
 def _ct_scheme(group: Mapping[str, Any], fmt: str) -> QuantScheme:
@@ -184,8 +194,18 @@ def _compressed_tensors(qc: Mapping[str, Any]) -> QuantConfig:
         raise ConfigError("config.json: compressed-tensors quantization_config has no config_groups targeting Linear layers")
     return QuantConfig(
         "compressed-tensors", default, _ignore(qc), tuple(targets),
-        kv_cache=qc.get("kv_cache_scheme") is not None, mapping=(CACHE_SCALES, _DROP_WEIGHT_SHAPE),
+        kv_params=_ct_kv(qc.get("kv_cache_scheme")), mapping=(CACHE_SCALES,),
     )
+
+
+def _ct_kv(scheme: Any) -> tuple[KVParam, ...]:
+    """compressed-tensors' KV-cache parameters; per-head scales are not supported."""
+    if isinstance(scheme, Mapping) and str(scheme.get("strategy", "tensor")).lower() != "tensor":
+        raise ConfigError(
+            f"config.json: compressed-tensors kv_cache_scheme strategy {scheme.get('strategy')!r} is not supported; "
+            "only per-tensor ('tensor') KV-cache scales are"
+        )
+    return COMPRESSED_TENSORS_KV
 
 
 def _int4(qc: Mapping[str, Any]) -> tuple[int, int]:
@@ -233,7 +253,7 @@ def _quark(qc: Mapping[str, Any]) -> QuantConfig:
         raise ConfigError(f"config.json: Quark FP8 qscheme {weight.get('qscheme')!r} is not supported (per_tensor, per_channel)")
     static = bool(inputs) and not inputs.get("is_dynamic", True) and inputs.get("qscheme") == "per_tensor"
     scheme = QuantScheme("fp8", strategy=strategy, static_input=static)
-    return QuantConfig("quark", scheme, _ignore(qc), kv_cache=bool(qc.get("kv_cache_quant_config")), mapping=(CACHE_SCALES,))
+    return QuantConfig("quark", scheme, _ignore(qc), kv_params=BASE_KV, mapping=(CACHE_SCALES,))
 
 
 ONLINE_METHODS = ("fp8", "fp8_block")
@@ -253,5 +273,5 @@ def online_quant_config(method: str, config: Mapping[str, Any]) -> QuantConfig:
     if method == "fp8":
         scheme = QuantScheme("fp8", strategy="tensor", online=True)
     else:
-        scheme = QuantScheme("fp8", strategy="block", block=(128, 128), scale_name="weight_scale_inv", online=True)
-    return QuantConfig(f"online-{method}", scheme, mapping=())
+        scheme = QuantScheme("fp8", strategy="block", block=(128, 128), scale_name="weight_scale_inv", online=True, block_rule="none")
+    return QuantConfig(f"online-{method}", scheme, kv_params=BASE_KV, mapping=(CACHE_SCALES,))

@@ -11,11 +11,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..errors import ConfigError
-from ..sharding import Blocked, Replicated, Segment, Shared, Sharding, Slots, Split
+from ..sharding import Blocked, Pick, Replicated, Segment, Shared, Sharding, Slots, Split
 
 FP8_FORMATS = ("fp8",)
 INT_FORMATS = ("int8", "pack", "gptq", "awq")
-CHECKPOINT_DTYPE = "checkpoint"  # keep the checkpoint tensor's dtype (bit-exact scales)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +102,7 @@ class QuantScheme:
     zero_offset: int = 0
     act_order: bool = False
     online: bool = False  # the checkpoint holds unquantized weights; quantize them while loading
+    block_rule: str = "strict"  # the block-shape check of its scales (see sharding.Blocked.rule)
 
     def __post_init__(self) -> None:
         if self.format not in FP8_FORMATS + INT_FORMATS:
@@ -135,17 +135,20 @@ class QuantScheme:
         if self.format == "pack":
             params = [
                 ("weight_packed", (out, inp // pf), linear.out_split(0) if linear.column else linear.in_split(1, inp // pf, "packed input columns"), "int32"),
-                ("weight_scale", (out, groups), self._group_split(linear, 0, 1, groups), CHECKPOINT_DTYPE),
+                ("weight_scale", (out, groups), self._group_split(linear, 0, 1, groups), model_dtype),
             ]
             if not self.symmetric:
                 params.append(("weight_zero_point", (-(-out // pf), groups), linear.out_split(0, pf) if linear.column else linear.in_split(1, groups, "quantization groups"), "int32"))
+            # The checkpoint's [out, in] of each part; vLLM keeps the last part it loads.
+            ids = linear.slot_ids()
+            params.append(("weight_shape", (2,), Pick(ids, ids[-1]) if len(ids) > 1 else Replicated(), "int64"))
             return params
         if self.format == "gptq":
             scale_groups = self._group_split(linear, 1, 0, groups, replicate_in=self.act_order)
             params = [
                 ("qweight", (inp // pf, out), linear.out_split(1) if linear.column else linear.in_split(0, inp // pf, "packed input rows"), "int32"),
                 ("qzeros", (groups, out // pf), linear.out_split(1, pf) if linear.column else _groups(linear, 0, groups, self.act_order), "int32"),
-                ("scales", (groups, out), scale_groups, CHECKPOINT_DTYPE),
+                ("scales", (groups, out), scale_groups, model_dtype),
             ]
             if self.act_order:
                 g_idx = linear.in_split(0, inp, "input rows") if linear.row else Shared(linear.slot_ids())
@@ -155,7 +158,7 @@ class QuantScheme:
         return [
             ("qweight", (inp, out // pf), linear.out_split(1, pf) if linear.column else linear.in_split(0, inp, "input rows"), "int32"),
             ("qzeros", (groups, out // pf), linear.out_split(1, pf) if linear.column else _groups(linear, 0, groups, False), "int32"),
-            ("scales", (groups, out), self._group_split(linear, 1, 0, groups), CHECKPOINT_DTYPE),
+            ("scales", (groups, out), self._group_split(linear, 1, 0, groups), model_dtype),
         ]
 
     def _scale(self, linear: Linear) -> tuple[str, tuple[int, ...], Sharding, str]:
@@ -169,9 +172,9 @@ class QuantScheme:
             bn, bk = self.block  # type: ignore[misc]
             shape = (-(-out // bn), -(-inp // bk))
             if linear.column:
-                sharding: Sharding = Blocked(Split(0, linear.segments, linear.disable_tp), bn)
+                sharding: Sharding = Blocked(Split(0, linear.segments, linear.disable_tp), bn, self.block_rule)
             elif linear.row:
-                sharding = Blocked(Split(1, (Segment(0, inp, label="input columns"),)), bk)
+                sharding = Blocked(Split(1, (Segment(0, inp, label="input columns"),)), bk, self.block_rule)
             else:
                 sharding = Replicated()
             return (self.scale_name, shape, sharding, self.scale_dtype)

@@ -221,6 +221,7 @@ ARCHS: Mapping[str, ArchSpec] = MappingProxyType(
                     "qk_nope_head_dim": 8,
                     "qk_rope_head_dim": 8,
                     "v_head_dim": 8,
+                    "topk_method": "noaux_tc",  # as DeepSeek-V3's release: the router has e_score_correction_bias
                 }
             ),
             moe=_QWEN_MOE_EXPERTS,

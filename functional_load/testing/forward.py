@@ -11,8 +11,8 @@ checks that the blocks are the right ones *and* in the right layout:
   ``max(kv/tp, 1)`` KV heads (a replicated KV head when ``tp > kv``); attention over local heads;
 * ``o_proj`` and ``down_proj`` row-parallel: each rank's partial product is all-reduced;
 * ``gate_up_proj`` rows ``[gate_r; up_r]``;
-* MoE: ``experts.w13_weight [E, 2I/tp, H]`` (``[w1_r; w3_r]`` per expert) and
-  ``experts.w2_weight [E, H, I/tp]``; the router ``gate.weight`` is replicated, every rank
+* MoE: ``experts.routed_experts.w13_weight [E, 2I/tp, H]`` (``[w1_r; w3_r]`` per expert) and
+  ``experts.routed_experts.w2_weight [E, H, I/tp]``; the router ``gate.weight`` is replicated, every rank
   routes identically and computes its ``I/tp`` slice of every expert, partial outputs are summed;
 * ``lm_head`` vocab-parallel: each rank's logits over its vocabulary rows are gathered and the
   padding columns dropped.
@@ -108,8 +108,8 @@ def _moe_prefix(names: Any, layer: int) -> str | None:
     """``model.layers.N.<moe module>.`` of a layer with routed experts, else None."""
     pre = f"model.layers.{layer}."
     for name in names:
-        if name.startswith(pre) and name.endswith(".experts.w13_weight"):
-            module = name[: -len("experts.w13_weight")]
+        if name.startswith(pre) and name.endswith(".experts.routed_experts.w13_weight"):
+            module = name[: -len("experts.routed_experts.w13_weight")]
             if any(n.startswith(module + "shared_expert") for n in names):
                 raise NotImplementedError(f"{module}: shared experts are not implemented by the reference forward")
             return module
@@ -232,11 +232,11 @@ def jax_tp_forward(params: Mapping[str, Any], config: Any, mesh: Any, input_ids:
                 if dims.norm_topk_prob:
                     top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
                 weights = jnp.sum(jax.nn.one_hot(top_i, experts, dtype=jnp.float32) * top_p[..., None], axis=-2)
-                w13 = w(module + "experts.w13_weight")  # [E, 2I/tp, H]
+                w13 = w(module + "experts.routed_experts.w13_weight")  # [E, 2I/tp, H]
                 inter = w13.shape[1] // 2
                 gate_up = mm("bsh,eih->bsei", x, w13)
                 act = jax.nn.silu(gate_up[..., :inter]) * gate_up[..., inter:]
-                per_expert = mm("bsei,ehi->bseh", act, w(module + "experts.w2_weight"))
+                per_expert = mm("bsei,ehi->bseh", act, w(module + "experts.routed_experts.w2_weight"))
                 partial = jnp.sum(per_expert * weights[..., None], axis=-2)
             h = h + jax.lax.psum(partial, tp_axis)
 
@@ -329,9 +329,9 @@ def torch_tp_decoder_layer(state: Mapping[str, Any], config: Any, layer: int, hi
         if dims.norm_topk_prob:
             top_p = top_p / top_p.sum(-1, keepdim=True)
         weights = torch.zeros_like(probs).scatter(-1, top_i, top_p)
-        gate_up = torch.einsum("bsh,eih->bsei", x, w(module + "experts.w13_weight"))
+        gate_up = torch.einsum("bsh,eih->bsei", x, w(module + "experts.routed_experts.w13_weight"))
         gate, up = gate_up.chunk(2, dim=-1)
-        per_expert = torch.einsum("bsei,ehi->bseh", F.silu(gate) * up, w(module + "experts.w2_weight"))
+        per_expert = torch.einsum("bsei,ehi->bseh", F.silu(gate) * up, w(module + "experts.routed_experts.w2_weight"))
         partial = (per_expert * weights[..., None]).sum(-2)
     dist.all_reduce(partial, group=group)
     return h + partial
