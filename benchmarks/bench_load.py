@@ -415,10 +415,10 @@ def run_worker(job: dict) -> None:
         except OSError:
             pass
     if kind == "fl":
-        # load() imports functional_load.transforms (and with it jax) even for the default target;
+        # load() imports functional_load.transform.kernels (and with it jax) even for the default target;
         # imports are excluded from the timing, so do it first.
         import functional_load.targets  # noqa: F401
-        import functional_load.transforms  # noqa: F401
+        import functional_load.transform.kernels  # noqa: F401
     pre = None
     if kind in ("limit_hot", "limit_prefaulted"):
         n = job["out_bytes"]
@@ -481,7 +481,7 @@ def tp_facts(model_dir: Path, tp: int, rank: int) -> dict:
     """Destination shapes (from functional_load's plan: the only use of it by the baselines),
     the exact bytes the rank needs by class, and the byte ranges for the cold limit."""
     import functional_load
-    from functional_load.checkpoint.prefetch import planned_ranges
+    from functional_load.io.prefetch import planned_ranges
 
     plan = functional_load.plan(model_dir, tp_size=tp, rank=rank)
     shapes = {p.spec.name: list(p.spec.local_shape) for p in plan.params}
@@ -538,7 +538,7 @@ def machine_facts(model_dir: Path) -> dict:
     for line in read("/proc/meminfo", "").splitlines():
         if line.startswith("MemTotal:"):
             mem = f"{int(line.split()[1]) / 1024 / 1024:.1f} GiB"
-    from functional_load.checkpoint.read import filesystem_type
+    from functional_load.io.options import filesystem_type
     import safetensors
     import torch
 
@@ -710,7 +710,7 @@ def render(model_dir: Path, args, machine: dict, results: dict, facts: dict, ckp
         "* tp=1 loads rank 0; tp=2 and tp=4 load rank 1.",
         f"* {args.runs} run(s) per method and scenario, methods interleaved round by round; medians (and min).",
         "* Every run is a fresh process; imports happen before the timer (for functional_load this includes",
-        "  `functional_load.transforms`, i.e. jax, which `load()` imports even for the default target), and the",
+        "  `functional_load.transform.kernels`, i.e. jax, which `load()` imports even for the default target), and the",
         "  timer covers the whole load (planning/header reads, allocation, reads, copies). Output tensors stay",
         f"  alive until peak RSS is read. Measured workers run at niceness {args.nice:+d} to be less disturbed by",
         "  the other jobs on this VM (the cache drop/warm and the parent run at normal priority).",

@@ -1,4 +1,4 @@
-"""Jitted JAX transforms (``functional_load.transforms``) against torch eager equivalents, on CPU.
+"""Jitted JAX transforms (``functional_load.transform.kernels``) against torch eager equivalents, on CPU.
 
 For each operation and shape: the median wall time of ``--runs`` calls after ``--warmup`` calls
 (JAX: compiled once per shape during the warm-up, results waited for with
@@ -127,7 +127,7 @@ def main() -> None:
     import jax.numpy as jnp
     import torch
 
-    from functional_load import transforms
+    from functional_load.transform import kernels as transforms
 
     print(
         f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; torch {torch.__version__} "

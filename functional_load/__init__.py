@@ -1,60 +1,57 @@
 """functional_load: plan-first, per-rank loading of LLM checkpoints with vLLM's semantics.
 
-A load is a pipeline of pure stages over immutable values: config + spec -> layout, headers ->
-checkpoint index, names -> routes, (layout, checkpoint) -> validated plan; only ``execute``
-reads tensor bytes, and each rank reads only the bytes it keeps.
+A load is a pipeline of pure stages over immutable values, one folder each: ``model`` (config,
+spec, quantization config) -> ``layout`` (what a rank holds) -> ``checkpoint`` (headers only) ->
+``plan`` (validated routing) -> ``io`` (the only stage that reads tensor bytes) -> ``transform``
+-> ``output``. Each rank reads only the bytes it keeps.
 """
 
 from .api import layout as layout
 from .api import load as load
+from .api import load_jax as load_jax
 from .api import plan as plan
-from .execute import LoadedState as LoadedState
-from .jax_load import load_jax as load_jax
-from .sharded_state import save_sharded as save_sharded
-from .quant.dequant import dequantize as dequantize
+from .api import save_sharded as save_sharded
 from .errors import CheckpointError as CheckpointError
 from .errors import ConfigError as ConfigError
 from .errors import LoadError as LoadError
 from .errors import MissingFileError as MissingFileError
 from .errors import PlanError as PlanError
 from .errors import ShardingError as ShardingError
-from .layout import Layout as Layout
-from .layout import Parallel as Parallel
-from .layout import ParamSpec as ParamSpec
-from .mapping import MappingTable as MappingTable
-from .mapping import Rule as Rule
-from .plan import Copy as Copy
-from .plan import ParamPlan as ParamPlan
+from .io import ReadOptions as ReadOptions
+from .layout.build import Layout as Layout
+from .layout.build import ParamSpec as ParamSpec
+from .layout.parallel import Parallel as Parallel
+from .layout.segments import Segment as Segment
+from .layout.sharding import Replicated as Replicated
+from .layout.sharding import Split as Split
+from .layout.sharding import VocabSplit as VocabSplit
+from .output.state import LoadedState as LoadedState
 from .plan import Plan as Plan
-from .sharding import Replicated as Replicated
-from .sharding import Segment as Segment
-from .sharding import Split as Split
-from .sharding import VocabSplit as VocabSplit
+from .transform.dequant import dequantize as dequantize
+from .vllm_target import VLLM_VERSION as VLLM_VERSION
 
 __all__ = [
     "CheckpointError",
     "ConfigError",
-    "Copy",
     "Layout",
-    "LoadedState",
     "LoadError",
-    "MappingTable",
+    "LoadedState",
     "MissingFileError",
     "Parallel",
-    "ParamPlan",
     "ParamSpec",
     "Plan",
     "PlanError",
+    "ReadOptions",
     "Replicated",
-    "Rule",
     "Segment",
     "ShardingError",
     "Split",
+    "VLLM_VERSION",
     "VocabSplit",
     "dequantize",
     "layout",
     "load",
     "load_jax",
-    "save_sharded",
     "plan",
+    "save_sharded",
 ]

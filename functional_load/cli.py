@@ -8,26 +8,40 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from .errors import LoadError
+from .errors import LoadError, ShardingError
 
 
 def _inspect(args: argparse.Namespace) -> None:
+    from .api import weight_dtypes
     from .checkpoint.discover import discover
     from .checkpoint.index import index_checkpoint
-    from .config import model_dtype, read_config
-    from .spec import spec_for_config
+    from .checkpoint.sharded import read_manifest, sharded_checkpoint
+    from .model.config import model_directory, model_dtype, read_config
+    from .model.spec import spec_for_config
 
-    config = read_config(args.model_dir)
-    checkpoint = index_checkpoint(discover(args.model_dir, args.load_format))
+    directory = model_directory(args.model_dir)
+    config = read_config(directory)
     spec = spec_for_config(config)
-    print(f"{checkpoint.directory}: {spec.name} ({', '.join(config.get('architectures') or [])}), "
-          f"dtype {model_dtype(config, checkpoint)}, format {checkpoint.load_format}")
-    print(f"{len(checkpoint.files)} files, {len(checkpoint.tensors)} tensors, {checkpoint.total_bytes:,} bytes")
+    manifest = read_manifest(directory)
+    if manifest is not None:  # a pre-sharded save: its layout, its rank files, the original tensors it holds
+        checkpoint = sharded_checkpoint(directory, manifest, 0)
+        print(f"{directory}: a pre-sharded save (functional_load.save_sharded) of {spec.name}, dtype {manifest['dtype']}, "
+              f"saved at {manifest['parallel']}")
+        for name, entry in manifest["files"].items():
+            print(f"  rank {entry['rank']}: {name} ({entry['size']:,} bytes)")
+        print(f"original tensors ({len(checkpoint.tensors)}, {checkpoint.total_bytes:,} bytes), held in the rank files:")
+    else:
+        checkpoint = index_checkpoint(discover(directory, args.load_format))
+        dtype = model_dtype(None, config, weight_dtypes(directory, config))
+        print(f"{checkpoint.directory}: {spec.name} ({', '.join(config.get('architectures') or [])}), "
+              f"dtype {dtype}, format {checkpoint.load_format}")
+        print(f"{len(checkpoint.files)} files, {len(checkpoint.tensors)} tensors, {checkpoint.total_bytes:,} bytes")
     for info in checkpoint.tensors.values():
         print(f"  {info.name:60s} {info.dtype:8s} {str(list(info.shape)):16s} {info.file.name}")
 
@@ -45,16 +59,11 @@ def _load(args: argparse.Namespace) -> None:
     from .api import load
 
     start = time.perf_counter()
-    state = load(args.model_dir, tp_size=args.tp, rank=args.rank, dtype=args.dtype, load_format=args.load_format)
+    state = load(args.model_dir, tp_size=args.tp, rank=args.rank, dtype=args.dtype, load_format=args.load_format, progress=True)
     seconds = time.perf_counter() - start
-    seen: dict[int, str] = {}
-    tensors = {}
-    for name, tensor in state.items():  # safetensors refuses shared storage: save each tensor once
-        if id(tensor) in seen:
-            continue
-        seen[id(tensor)] = name
-        tensors[name] = tensor.contiguous()
-    aliases = {name: seen[id(t)] for name, t in state.items() if seen[id(t)] != name}
+    tensors = {name: t.contiguous() for name, t in state.unique().items()}  # safetensors refuses shared storage
+    first = {id(t): name for name, t in tensors.items()}
+    aliases = {name: first[id(state[name])] for name in state if name not in tensors}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"model-rank-{args.rank}-of-{args.tp}.safetensors"
@@ -66,6 +75,8 @@ def _load(args: argparse.Namespace) -> None:
 def _verify(args: argparse.Namespace) -> None:
     from .verify import verify_ranks
 
+    if not 0 <= args.rank < args.tp:
+        raise ShardingError(f"--rank {args.rank} is not a rank of --tp {args.tp}; pick a rank in 0..{args.tp - 1}")
     report = verify_ranks(args.model_dir, tp_size=args.tp, dtype=args.dtype, load_format=args.load_format)
     print(report.plans[args.rank].table())
     print()
@@ -138,6 +149,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LoadError as exc:
         print(f"functional-load: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (`functional-load plan ... | head`): not an error
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
     return 0
 
 

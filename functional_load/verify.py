@@ -12,8 +12,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .checkpoint.read import PreadReader
-from .execute import execute
+from .api import plan as make_plan
+from .checkpoint import FileSpan, PickleEntry, SavedBoxes, TensorInfo
+from .io import ReadOptions, execute, reader_for
 from .plan import Plan
 
 
@@ -53,29 +54,50 @@ def _bits(t: Any) -> Any:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
-def verify_ranks(model_dir: Any, *, tp_size: int = 1, dtype: Any = None, load_format: str = "auto") -> VerifyReport:
-    """Plan and load every rank of ``tp_size`` and check them against the checkpoint."""
+def reference_tensor(info: TensorInfo) -> Any:
+    """A checkpoint tensor read independently of this package's reader: with the safetensors
+    library (a pre-sharded save's original tensors reassembled from its rank files' boxes), or
+    ``torch.load`` for a pickle."""
     import torch
     from safetensors import safe_open
 
-    from .api import plan as make_plan
+    location = info.location
+    if isinstance(location, FileSpan):
+        with safe_open(str(location.file), framework="pt") as f:
+            return f.get_tensor(info.name)
+    if isinstance(location, PickleEntry):
+        from .checkpoint.pickles import safe_torch_load
+
+        return safe_torch_load(location.file)[info.name]
+    assert isinstance(location, SavedBoxes)
+    dtype = reference_tensor(location.pieces[0].stored).dtype if location.pieces else torch.float32
+    whole = torch.empty(info.shape, dtype=dtype)
+    for piece in location.pieces:
+        stored = reference_tensor(piece.stored)[tuple(slice(a, b) for a, b in piece.dst)]
+        lead = len(piece.dst) - len(piece.src)
+        stored = stored.reshape(stored.shape[lead:]) if lead else stored
+        whole[tuple(slice(a, b) for a, b in piece.src)] = stored.T if piece.transpose else stored
+    return whole
+
+
+def verify_ranks(model_dir: Any, *, tp_size: int = 1, dtype: Any = None, load_format: str = "auto") -> VerifyReport:
+    """Plan and load every rank of ``tp_size`` and check them against the checkpoint."""
+    import torch
 
     plans, states, reads, seconds = [], [], [], []
     for rank in range(tp_size):
         start = time.perf_counter()
         the_plan = make_plan(model_dir, tp_size=tp_size, rank=rank, dtype=dtype, load_format=load_format)
-        with PreadReader() as reader:
-            states.append(execute(the_plan, reader=reader, progress=False))
+        with reader_for(the_plan, ReadOptions(strategy="pread")) as reader:
+            tensors, _ = execute(the_plan, reader=reader, progress=False)
+            states.append(tensors)
             reads.append(reader.bytes_read)
         seconds.append(time.perf_counter() - start)
         plans.append(the_plan)
 
     problems: list[str] = []
-    reference: dict[str, Any] = {}
     infos = {name: info for p in plans for name, info in p.tensors.items()}
-    for name, info in infos.items():
-        with safe_open(str(info.file), framework="pt") as f:
-            reference[name] = f.get_tensor(name)
+    reference = {name: reference_tensor(info) for name, info in infos.items()}
     covered = {name: torch.zeros(info.shape, dtype=torch.bool) for name, info in infos.items()}
 
     for the_plan, state in zip(plans, states):
@@ -99,7 +121,7 @@ def verify_ranks(model_dir: Any, *, tp_size: int = 1, dtype: Any = None, load_fo
         if not bool(mask.all()):
             problems.append(f"{name}: {int((~mask).sum())} elements are held by no rank")
     for param in plans[0].params:
-        if type(param.spec.sharding).__name__ == "Replicated":
+        if all(p.param(param.spec.name).spec.sharding.tp_dim(p.parallel) is None for p in plans):
             first = _bits(states[0][param.spec.name])
             for state, the_plan in zip(states[1:], plans[1:]):
                 if not torch.equal(first, _bits(state[param.spec.name])):

@@ -3,7 +3,7 @@
 Three independent views of what a rank read must agree:
 
 * the plan's count (``plan.bytes_to_read``);
-* the reader's count (``PreadReader.bytes_read``);
+* the reader's count (``Reader.bytes_read``);
 * the bytes the ``preadv`` system calls actually returned, recorded per file byte.
 
 The recorded bytes must be exactly the planned source boxes (computed here with numpy index
@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 
 from functional_load import Plan, Replicated, Split, VocabSplit, plan
-from functional_load.checkpoint.read import PreadReader
+from functional_load.io import ReadOptions, Reader, reader_for
 from functional_load.dtypes import itemsize
-from functional_load.execute import execute
+from functional_load.io import execute
 from functional_load.testing.checkpoints import list_tensors, write_checkpoint
 
 CASES = [  # (kv_heads, tp_size)
@@ -106,7 +106,7 @@ def planned_counts(the_plan: Plan, files: list[Path]) -> dict[Path, np.ndarray]:
             info = the_plan.tensors[c.tensor]
             item = itemsize(info.dtype)
             elements = np.arange(math.prod(info.shape)).reshape(info.shape)[tuple(slice(a, b) for a, b in c.src)]
-            byte_offsets = info.offset + (elements.reshape(-1, 1) * item + np.arange(item)).reshape(-1)
+            byte_offsets = info.location.offset + (elements.reshape(-1, 1) * item + np.arange(item)).reshape(-1)
             np.add.at(counts[info.file], byte_offsets, 1)
     return counts
 
@@ -173,7 +173,7 @@ def test_each_rank_reads_only_its_share(checkpoints, monkeypatch, kv_heads, tp):
         the_plan = plan(directory, tp_size=tp, rank=rank)
         assert the_plan.dropped == ()
         files = sorted({info.file for info in the_plan.tensors.values()})
-        with PreadReader() as reader:
+        with reader_for(the_plan, ReadOptions(strategy="pread")) as reader:
             execute(the_plan, reader=reader, progress=False)
         counts = read_counts(log.take(), files)
 
@@ -203,7 +203,7 @@ def test_each_rank_reads_only_its_share(checkpoints, monkeypatch, kv_heads, tp):
         per_tensor: Counter = Counter()
         for name in split_tensors:
             info = the_plan.tensors[name]
-            per_tensor[name] = int(counts[info.file][info.offset : info.offset + info.nbytes].sum())
+            per_tensor[name] = int(counts[info.file][info.location.offset : info.location.offset + info.nbytes].sum())
         split_bytes_by_rank.append(per_tensor)
         reads_by_rank.append(counts)
 
@@ -213,10 +213,10 @@ def test_each_rank_reads_only_its_share(checkpoints, monkeypatch, kv_heads, tp):
     indexed = plan(directory, tp_size=tp, rank=0).tensors
     covered = {f: np.zeros(f.stat().st_size, dtype=bool) for f in files}
     for name, info in indexed.items():
-        data = total[info.file][info.offset : info.offset + info.nbytes]
+        data = total[info.file][info.location.offset : info.location.offset + info.nbytes]
         expected = kv_replicas(name, kv_heads, tp)
         assert (data == expected).all(), f"{name}: bytes read {sorted(set(data.tolist()))} times, expected {expected}"
-        covered[info.file][info.offset : info.offset + info.nbytes] = True
+        covered[info.file][info.location.offset : info.location.offset + info.nbytes] = True
     for f in files:
         assert not total[f][~covered[f]].any(), f"{f.name}: bytes outside tensor data were read"
 
@@ -240,21 +240,21 @@ def test_tp1_reads_the_whole_checkpoint_once(checkpoints, monkeypatch, kv_heads)
     assert the_plan.dropped == ()  # a transformers llama checkpoint has nothing to drop
     assert set(the_plan.tensors) == set(sizes)
     log = SyscallLog(monkeypatch)
-    with PreadReader() as reader:
+    with reader_for(the_plan, ReadOptions(strategy="pread")) as reader:
         execute(the_plan, reader=reader, progress=False)
     files = sorted({info.file for info in the_plan.tensors.values()})
     counts = read_counts(log.take(), files)
     assert reader.bytes_read == the_plan.bytes_to_read == sum(sizes.values())
     for info in the_plan.tensors.values():
-        assert (counts[info.file][info.offset : info.offset + info.nbytes] == 1).all(), info.name
+        assert (counts[info.file][info.location.offset : info.location.offset + info.nbytes] == 1).all(), info.name
 
 
-class WastefulReader(PreadReader):
+class WastefulReader(Reader):
     """Reads each whole tensor before the box it was asked for, but counts only the box."""
 
     def read_into(self, info, box, out):
         fd = os.open(info.file, os.O_RDONLY)
-        os.preadv(fd, [bytearray(info.nbytes)], info.offset)
+        os.preadv(fd, [bytearray(info.nbytes)], info.location.offset)
         os.close(fd)
         super().read_into(info, box, out)
 
@@ -266,7 +266,7 @@ def test_the_syscall_check_catches_a_reader_that_reads_too_much(checkpoints, mon
     the_plan = plan(directory, tp_size=4, rank=1)
     files = sorted({info.file for info in the_plan.tensors.values()})
     log = SyscallLog(monkeypatch)
-    with WastefulReader() as reader:
+    with WastefulReader(ReadOptions(strategy="pread")) as reader:
         execute(the_plan, reader=reader, progress=False)
     counts = read_counts(log.take(), files)
     planned = planned_counts(the_plan, files)

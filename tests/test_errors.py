@@ -28,7 +28,7 @@ from functional_load import (
     plan,
 )
 from functional_load.cli import main as cli_main
-from functional_load.execute import execute
+from functional_load.io import execute
 from functional_load.testing.checkpoints import write_checkpoint
 
 INDEX = "model.safetensors.index.json"
@@ -338,8 +338,8 @@ def test_shard_truncated_after_planning(llama_dir, tmp_path):
     the_plan = plan(d)  # tp=1: every byte of every tensor is read
     # the tensor whose data ends the file of lm_head.weight
     shard = the_plan.tensors["lm_head.weight"].file
-    last = max((t for t in the_plan.tensors.values() if t.file == shard), key=lambda t: t.offset)
-    assert last.offset + last.nbytes == shard.stat().st_size
+    last = max((t for t in the_plan.tensors.values() if t.file == shard), key=lambda t: t.location.offset)
+    assert last.location.offset + last.nbytes == shard.stat().st_size
     os.truncate(shard, shard.stat().st_size - 3)
     with pytest.raises(CheckpointError) as info:
         execute(the_plan)
@@ -353,12 +353,12 @@ def test_shard_truncated_after_planning(llama_dir, tmp_path):
 
 def test_short_read_inside_a_tensor_is_an_error(tmp_path):
     """The reader's own check, when a file shrinks between the size check and the read."""
-    from functional_load.checkpoint import TensorInfo
-    from functional_load.checkpoint.read import _pread_full
+    from functional_load.checkpoint import FileSpan, TensorInfo
+    from functional_load.io.files import _pread_full
 
     path = tmp_path / "short.bin"
     path.write_bytes(b"x" * 10)
-    info = TensorInfo("t", path, "U8", (16,), 0, 16)
+    info = TensorInfo("t", "U8", (16,), FileSpan(path, 0, 16))
     fd = os.open(path, os.O_RDONLY)
     try:
         with pytest.raises(CheckpointError, match=r"ends early: read 10 of 16 bytes"):

@@ -68,7 +68,7 @@ def jax_logits(path: str, tp: int, out: str) -> list[int]:
     assert len(devices) >= 8, f"need 8 devices, have {len(devices)}"
     mesh = Mesh(np.array(devices[:8]).reshape(8 // tp, tp), ("dp", "tp"))
     config = json.loads((Path(path) / "config.json").read_text())
-    params = fl.load_jax(path, mesh)
+    params = fl.load_jax(path, mesh, dtype=config["dtype"])  # the checkpoint's own dtype (vLLM's auto serves fp32 in bf16)
     logits = np.asarray(jax_tp_forward(params, config, mesh, IDS))
     np.save(out, logits)
     return list(logits.shape)
@@ -136,7 +136,7 @@ def torch_layer_worker(rank: int, port: int, path: str, out_dir: str) -> dict[st
     import torch.distributed as dist
 
     import functional_load as fl
-    from functional_load.jax_load import rank_from_torch_distributed
+    from functional_load.output.jax import rank_from_torch_distributed
     from functional_load.testing.forward import torch_tp_decoder_layer
 
     torch.set_num_threads(2)

@@ -39,9 +39,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import functional_load
-from functional_load import load, plan, save_sharded
+from functional_load import ReadOptions, load, plan, save_sharded
 from functional_load.checkpoint import index as index_module
-from functional_load.checkpoint.discover import allowed_root
+from functional_load.paths import allowed_root
 from functional_load.errors import (
     CheckpointError,
     ConfigError,
@@ -52,8 +52,8 @@ from functional_load.errors import (
     PlanError,
     SecurityError,
 )
-from functional_load.execute import execute
-from functional_load.sharded_state import MANIFEST
+from functional_load.io import execute
+from functional_load.checkpoint.sharded import MANIFEST
 from functional_load.testing.checkpoints import read_checkpoint_tensors
 from helpers import hook_opens
 
@@ -858,7 +858,7 @@ case("manifest-files-not-object", "manifests", "presharded", _edit_manifest(lamb
 for _name in ("../model-rank-1.safetensors", "sub/model-rank-1.safetensors", "/tmp/model-rank-1.safetensors", ".hidden.safetensors"):
     case(f"manifest-file-name-{_name}", "manifests", "presharded", _edit_manifest(_rename_file_key(_name)), FormatError, ("{d}/" + MANIFEST, repr(_name), "plain file name"), PRE)
 case("manifest-size-mismatch", "manifests", "presharded", _size_mismatch, IntegrityError, (), PRE)
-case("manifest-sha-mismatch-verify-hashes", "manifests", "presharded", _bit_flip, IntegrityError, (), {**PRE, "verify_hashes": True})
+case("manifest-sha-mismatch-verify-hashes", "manifests", "presharded", _bit_flip, IntegrityError, (), {**PRE, "read": ReadOptions(verify_hashes=True)})
 case("manifest-rank-file-deleted", "manifests", "presharded", _delete_rank(1), IntegrityError, (), PRE)
 case("manifest-rank-file-deleted-reshard", "manifests", "presharded", _delete_rank(2), IntegrityError, (), {"tp_size": 2, "rank": 1})
 case("manifest-rank-not-in-files", "manifests", "presharded", _edit_manifest(lambda m: m["ranks"]["1"].__setitem__("file", "model-rank-9.safetensors")), FormatError, ("{d}/" + MANIFEST, "'model-rank-9.safetensors'"), PRE)
@@ -953,7 +953,7 @@ def test_hf_cache_snapshot_symlinks_load(bases, tmp_path, opens):
 
 def test_file_gone_before_the_final_check(bases, tmp_path):
     """verify_unchanged (run after every read) reports a vanished shard as an IntegrityError."""
-    from functional_load.execute import verify_unchanged
+    from functional_load.io import verify_unchanged
 
     d = tmp_path / "model"
     shutil.copytree(bases["sharded"], d)

@@ -54,11 +54,11 @@ def test_offsets_point_at_the_tensor_bytes(tmp_path):
         assert info.name == name and info.file == path
         assert info.shape == tuple(loaded[name].shape)
         assert info.nbytes == loaded[name].numel() * loaded[name].element_size()
-        assert blob[info.offset : info.offset + info.nbytes] == as_bytes(loaded[name])
+        assert blob[info.location.offset : info.location.offset + info.nbytes] == as_bytes(loaded[name])
     assert {n: i.dtype for n, i in infos.items()} == {
         "embed": "BF16", "bias": "F32", "ids": "I64", "flag": "BOOL", "empty": "F16"
     }
-    offsets = [i.offset for i in infos.values()]
+    offsets = [i.location.offset for i in infos.values()]
     assert offsets == sorted(offsets)  # header-offset order
 
 
@@ -68,7 +68,7 @@ def test_absolute_offset_is_8_plus_header_plus_begin(tmp_path):
     path = raw_file(tmp_path / "x.safetensors", body, b"\x01\x02\x03\x04")
     infos = read_header(path)
     assert list(infos) == ["a", "b"]
-    assert infos["a"].offset == 8 + len(body) and infos["b"].offset == 8 + len(body) + 2
+    assert infos["a"].location.offset == 8 + len(body) and infos["b"].location.offset == 8 + len(body) + 2
 
 
 F32x2 = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}

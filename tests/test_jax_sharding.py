@@ -5,7 +5,7 @@
   ``P()`` for replicated ones), the expected global shape and dtype, and every addressable shard
   is the torch rank tensor of ``functional_load.load`` at that shard's tp coordinate, bit for bit.
 * Two ``jax.distributed`` processes on loopback with 4 CPU devices each (one global mesh of 8):
-  each process reads only the ranks its devices hold (counted by its ``PreadReader``), its
+  each process reads only the ranks its devices hold (counted by its ``Reader``), its
   shards are the torch rank tensors, and a cross-process tensor-parallel forward over the arrays
   matches transformers.
 
@@ -43,7 +43,7 @@ CHECKPOINTS = {  # id -> (arch, write_checkpoint options); bf16, several shards 
 
 def expected_dim(name: str) -> int | None:
     """The dimension along which tp ranks hold different blocks, from vLLM's layer types
-    (written out here, independently of ``functional_load.jax_load.sharded_dim``)."""
+    (written out here, independently of the descriptors' ``tp_dim``)."""
     if name.endswith(("qkv_proj.weight", "qkv_proj.bias", "gate_up_proj.weight")):
         return 0  # column-parallel
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
@@ -184,7 +184,7 @@ def distributed_worker(process_id: int, port: int, path: str, logits_dir: str) -
     )
     try:
         import functional_load as fl
-        from functional_load.checkpoint.read import PreadReader
+        from functional_load.io import ReadOptions, Reader
         from functional_load.testing.forward import jax_tp_forward
 
         assert jax.process_count() == 2 and len(jax.devices()) == 8 and len(jax.local_devices()) == 4
@@ -195,7 +195,7 @@ def distributed_worker(process_id: int, port: int, path: str, logits_dir: str) -
             mesh = _layout_mesh(jax.devices(), dp, tp)
             tp_index = mesh.axis_names.index("tp")
             ranks = sorted({int(np.argwhere(mesh.devices == d)[0][tp_index]) for d in mesh.local_devices})
-            with PreadReader() as reader:
+            with Reader(ReadOptions(strategy="pread")) as reader:
                 arrays = fl.load_jax(path, mesh, reader=reader)
                 bytes_read = reader.bytes_read
             plans = {r: fl.plan(path, tp_size=tp, rank=r) for r in ranks}

@@ -28,9 +28,9 @@ from safetensors.torch import load_file, save_file
 
 import functional_load as fl
 from functional_load import Parallel, PlanError, ShardingError
-from functional_load.checkpoint.read import PreadReader, ReadOptions
-from functional_load.execute import execute
-from functional_load.sharding import compute_local_expert_ids, local_expert_slots
+from functional_load.io import ReadOptions, Reader
+from functional_load.io import execute
+from functional_load.layout.parallel import compute_local_expert_ids, local_expert_slots
 from functional_load.testing.checkpoints import list_tensors, read_checkpoint_tensors
 from helpers import assert_same_bits, unreplicate
 
@@ -324,11 +324,11 @@ def test_redundant_experts_repeat_logical_experts(tiny_checkpoint, arch, fused, 
 # --- bytes read ----------------------------------------------------------------------------------
 
 
-class RecordingReader(PreadReader):
-    """A PreadReader that also counts, per checkpoint tensor, the bytes it read."""
+class RecordingReader(Reader):
+    """The reader of every load, also counting, per checkpoint tensor, the bytes it read."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(ReadOptions(strategy="pread", threads=1))
         self.by_tensor: Counter[str] = Counter()
 
     def read_into(self, info, box, out) -> None:
@@ -401,7 +401,7 @@ def test_expert_parallel_reads_only_local_experts(tiny_checkpoint, arch, fused, 
 
         reader = RecordingReader()
         with reader:  # one thread: the per-tensor tally reads a shared counter
-            execute(the_plan, reader=reader, options=ReadOptions(threads=1), progress=False)
+            execute(the_plan, ReadOptions(threads=1), reader=reader, progress=False)
         assert reader.bytes_read == the_plan.bytes_to_read
 
         expert_bytes = sum(b for n, b in reader.by_tensor.items() if is_expert[n])

@@ -32,10 +32,13 @@ from safetensors.torch import save_file
 
 import functional_load as fl
 from functional_load import CheckpointError, ConfigError, PlanError, ShardingError
-from functional_load.quant.dequant import AWQ_REVERSE_ORDER, unpack_int32
-from functional_load.quant.schemes import Linear, QuantScheme, pack_segments
-from functional_load.layout import Parallel, local_shape
-from functional_load.sharding import Blocked, Segment, Split, blocked_pieces, split_pieces
+from functional_load.transform.dequant import AWQ_REVERSE_ORDER, unpack_int32
+from functional_load.layout.parallel import Parallel
+from functional_load.layout.scales import Blocked
+from functional_load.layout.schemes import Linear, pack_segments, quant_params
+from functional_load.layout.segments import Segment
+from functional_load.layout.sharding import Split
+from functional_load.model.quant import QuantScheme
 
 QUANT = Path(__file__).parent / "fixtures" / "quant"
 # The dense (Llama) fixtures; a fixture directory is usable once it has its config.json. The MoE
@@ -543,11 +546,11 @@ def test_block_scale_rows_merged_gate_up(rank: int) -> None:
     """gate_up 18432 global per part at tp=8, bn=128: per rank 2304 rows -> 18 scale rows per shard,
     at offsets 0 and 18 (param ceil(4608/128) = 36 rows); the checkpoint rows read are 18r.. of each."""
     blocked = Blocked(Split(0, (Segment(0, 18432), Segment(1, 18432))), 128)
-    assert _pieces(blocked_pieces(blocked, 8, rank, fused=False)) == [
+    assert _pieces(blocked.pieces(Parallel(8, rank), fused=False)) == [
         (0, (18 * rank, 18 * rank + 18), (0, 18)),
         (1, (18 * rank, 18 * rank + 18), (18, 36)),
     ]
-    assert local_shape((288, 56), blocked, Parallel(8, rank)) == (36, 56)
+    assert blocked.local_shape((288, 56), Parallel(8, rank)) == (36, 56)
 
 
 @pytest.mark.parametrize("rank", range(8))
@@ -555,13 +558,13 @@ def test_block_scale_rows_qkv_2_1(rank: int) -> None:
     """2.1 (heads 32, kv 8, head_dim 128, tp 8): per rank q 512, k 128, v 128 -> scale rows
     (4, off 0), (1, off 4), (1, off 5); 6 rows; checkpoint k-scale row read: r."""
     split = Split(0, (Segment("q", 32, 128), Segment("k", 8, 128, replicate=True), Segment("v", 8, 128, replicate=True)))
-    assert _pieces(blocked_pieces(Blocked(split, 128), 8, rank, fused=False)) == [
+    assert _pieces(Blocked(split, 128).pieces(Parallel(8, rank), fused=False)) == [
         ("q", (4 * rank, 4 * rank + 4), (0, 4)),
         ("k", (rank, rank + 1), (4, 5)),
         ("v", (rank, rank + 1), (5, 6)),
     ]
     # fused on disk (one scale tensor for q|k|v): the same rows, offset by the parts before them
-    assert _pieces(blocked_pieces(Blocked(split, 128), 8, rank, fused=True)) == [
+    assert _pieces(Blocked(split, 128).pieces(Parallel(8, rank), fused=True)) == [
         ("q", (4 * rank, 4 * rank + 4), (0, 4)),
         ("k", (32 + rank, 33 + rank), (4, 5)),
         ("v", (40 + rank, 41 + rank), (5, 6)),
@@ -573,15 +576,15 @@ def test_packing_offsets_merged_gate_up(rank: int) -> None:
     """2.3 packing: per-rank shard 1792 rows with pack factor 8 -> 224, offsets 0 and 224."""
     packed = pack_segments((Segment(0, 14336), Segment(1, 14336)), 8)
     assert [s.rows for s in packed] == [1792, 1792]
-    assert _pieces(split_pieces(Split(1, packed), 8, rank)) == [
+    assert _pieces(Split(1, packed).pieces(Parallel(8, rank))) == [
         (0, (224 * rank, 224 * rank + 224), (0, 224)),
         (1, (224 * rank, 224 * rank + 224), (224, 448)),
     ]
     # the same through a scheme manifest: AWQ qweight [in, out/8] of a merged layer
     linear = Linear("merged", 4096, (Segment(0, 14336, label="output rows"), Segment(1, 14336, label="output rows")))
-    qweight = {s: sh for s, _, sh, _ in QuantScheme("awq", bits=4, strategy="group", group_size=128).params(linear, "float16")}["qweight"]
+    qweight = {s: sh for s, _, sh, _ in quant_params(QuantScheme("awq", bits=4, strategy="group", group_size=128), linear, "float16")}["qweight"]
     assert isinstance(qweight, Split) and qweight.dim == 1
-    assert _pieces(split_pieces(qweight, 8, rank))[1] == (1, (224 * rank, 224 * rank + 224), (224, 448))
+    assert _pieces(qweight.pieces(Parallel(8, rank)))[1] == (1, (224 * rank, 224 * rank + 224), (224, 448))
 
 
 def test_packing_of_qkv_heads() -> None:
@@ -589,7 +592,7 @@ def test_packing_of_qkv_heads() -> None:
     segs = (Segment("q", 32, 128), Segment("k", 4, 128, replicate=True), Segment("v", 4, 128, replicate=True))
     packed = pack_segments(segs, 8)
     assert [(s.count, s.unit, s.replicate) for s in packed] == [(32, 16, False), (4, 16, True), (4, 16, True)]
-    assert _pieces(split_pieces(Split(1, packed), 8, 3)) == [("q", (192, 256), (0, 64)), ("k", (16, 32), (64, 80)), ("v", (16, 32), (80, 96))]
+    assert _pieces(Split(1, packed).pieces(Parallel(8, 3))) == [("q", (192, 256), (0, 64)), ("k", (16, 32), (64, 80)), ("v", (16, 32), (80, 96))]
 
 
 def test_block_cut_crossing_a_block_raises_vllm_wording_row() -> None:
@@ -597,13 +600,13 @@ def test_block_cut_crossing_a_block_raises_vllm_wording_row() -> None:
     block 1 and cross into block 2."""
     blocked = Blocked(Split(1, (Segment(0, 384, label="input columns"),)), 128)
     with pytest.raises(ShardingError, match="input_size_per_partition = 192 is not divisible by weight quantization block_k = 128"):
-        blocked_pieces(blocked, 2, 1, fused=False)
+        blocked.pieces(Parallel(2, 1), fused=False)
 
 
 def test_block_cut_crossing_a_block_raises_vllm_wording_column() -> None:
     blocked = Blocked(Split(0, (Segment(0, 384),)), 128)
     with pytest.raises(ShardingError, match="output_partition_size = 192 is not divisible by weight quantization block_n = 128"):
-        blocked_pieces(blocked, 2, 1, fused=False)
+        blocked.pieces(Parallel(2, 1), fused=False)
 
 
 @pytest.mark.parametrize("dim", [0, 1])
@@ -612,7 +615,7 @@ def test_block_cut_inside_one_block_keeps_that_blocks_scale(dim: int) -> None:
     scale block 0, ranks 2 and 3 block 1 (vLLM refuses this shape; functional_load loads it)."""
     blocked = Blocked(Split(dim, (Segment(0, 256),)), 128)
     for rank in range(4):
-        assert _pieces(blocked_pieces(blocked, 4, rank, fused=False)) == [(0, (rank // 2, rank // 2 + 1), (0, 1))]
+        assert _pieces(blocked.pieces(Parallel(4, rank), fused=False)) == [(0, (rank // 2, rank // 2 + 1), (0, 1))]
 
 
 def test_block_cut_crossing_a_block_in_a_real_layout(tmp_path: Path) -> None:
@@ -795,12 +798,12 @@ def test_quantization_groups_unit() -> None:
     grouped = {"gptq": ("qzeros", "scales"), "awq": ("qzeros", "scales"), "pack": ("weight_scale", "weight_zero_point")}
     for fmt, suffixes in grouped.items():
         scheme = QuantScheme(fmt, bits=4, strategy="group", group_size=32, symmetric=False)
-        params = {suffix: (shape, sharding) for suffix, shape, sharding, _ in scheme.params(linear, "bfloat16")}
+        params = {suffix: (shape, sharding) for suffix, shape, sharding, _ in quant_params(scheme, linear, "bfloat16")}
         for suffix in suffixes:
             shape, sharding = params[suffix]
             with pytest.raises(ShardingError, match="4 quantization groups"):
-                local_shape(shape, sharding, Parallel(8, 0))
-            assert 1 in local_shape(shape, sharding, Parallel(4, 0))  # one group per rank at tp=4
+                sharding.local_shape(shape, Parallel(8, 0))
+            assert 1 in sharding.local_shape(shape, Parallel(4, 0))  # one group per rank at tp=4
 
 
 def _set(path: list[str], value: Any) -> Callable[[dict], None]:

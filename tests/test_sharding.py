@@ -13,17 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from functional_load.errors import LoadError, ShardingError
-from functional_load.sharding import (
-    Piece,
-    Segment,
-    Split,
-    pad_vocab_size,
-    segment_offsets,
-    segment_rows,
-    split_local_rows,
-    split_pieces,
-    vocab_shard,
-)
+from functional_load.layout.parallel import Parallel
+from functional_load.layout.segments import Piece, Segment, pad_vocab_size, segment_offsets, segment_rows, vocab_shard
+from functional_load.layout.sharding import Split
+
+
+def split_local_rows(split: Split, tp: int) -> int:
+    return split.local_shape((split.rows, 1) if split.dim == 0 else (1, split.rows), Parallel(tp, 0))[split.dim]
 
 
 def qkv(heads: int, kv: int, head_dim: int = 128) -> Split:
@@ -44,7 +40,7 @@ def merged(*outs: int) -> Split:
 
 
 def pieces_by_segment(split: Split, tp: int, rank: int) -> dict:
-    return {p.segment: (p.src, p.dst) for p in split_pieces(split, tp, rank)}
+    return {p.segment: (p.src, p.dst) for p in split.pieces(Parallel(tp, rank))}
 
 
 # --- 2.1 QKV, heads=32, kv=8, head_dim=128, tp=8 -------------------------------------------------
@@ -65,7 +61,7 @@ LLAMA3_8B_TP8 = [
 @pytest.mark.parametrize("rank, q, k, v", LLAMA3_8B_TP8)
 def test_qkv_heads32_kv8_tp8(rank, q, k, v):
     split = qkv(heads=32, kv=8)
-    assert split_pieces(split, 8, rank) == (
+    assert split.pieces(Parallel(8, rank)) == (
         Piece("q", q, (0, 512)),
         Piece("k", k, (512, 640)),
         Piece("v", v, (640, 768)),
@@ -77,7 +73,7 @@ def test_qkv_heads32_kv8_tp8_sizes_and_fused_offsets():
     assert split.rows == 6144
     assert split_local_rows(split, 8) == 768
     # Fused on disk: q [0:4096], k [4096:5120], v [5120:6144].
-    assert segment_offsets(split) == {"q": 0, "k": 4096, "v": 5120}
+    assert segment_offsets(split.segments) == {"q": 0, "k": 4096, "v": 5120}
 
 
 # --- 2.2 QKV with replicated KV heads -------------------------------------------------------------
@@ -99,7 +95,7 @@ KV4_TP8 = [
 def test_qkv_heads32_kv4_tp8_replicates_each_kv_head_on_two_ranks(rank, kv_head, kv_rows):
     split = qkv(heads=32, kv=4)
     assert kv_rows == (kv_head * 128, (kv_head + 1) * 128)
-    assert split_pieces(split, 8, rank) == (
+    assert split.pieces(Parallel(8, rank)) == (
         Piece("q", (512 * rank, 512 * rank + 512), (0, 512)),  # q as in 2.1
         Piece("k", kv_rows, (512, 640)),
         Piece("v", kv_rows, (640, 768)),
@@ -110,14 +106,14 @@ def test_qkv_heads32_kv4_tp8_sizes():
     split = qkv(heads=32, kv=4)
     assert split.rows == 4096 + 512 + 512  # the checkpoint holds 512 k rows, not vLLM's "global" 1024
     assert split_local_rows(split, 8) == 768
-    assert segment_offsets(split) == {"q": 0, "k": 4096, "v": 4608}
+    assert segment_offsets(split.segments) == {"q": 0, "k": 4096, "v": 4608}
 
 
 @pytest.mark.parametrize("rank", range(16))
 def test_qkv_heads64_kv8_tp16_ranks_2h_and_2h_plus_1_hold_kv_head_h(rank):
     split = qkv(heads=64, kv=8)
     head = rank // 2
-    assert split_pieces(split, 16, rank) == (
+    assert split.pieces(Parallel(16, rank)) == (
         Piece("q", (512 * rank, 512 * rank + 512), (0, 512)),
         Piece("k", (128 * head, 128 * head + 128), (512, 640)),
         Piece("v", (128 * head, 128 * head + 128), (640, 768)),
@@ -134,7 +130,7 @@ KV8_TP2 = [
 @pytest.mark.parametrize("rank, q, k, v", KV8_TP2)
 def test_qkv_heads32_kv8_tp2(rank, q, k, v):
     split = qkv(heads=32, kv=8)
-    assert split_pieces(split, 2, rank) == tuple(Piece(*row) for row in (q, k, v))
+    assert split.pieces(Parallel(2, rank)) == tuple(Piece(*row) for row in (q, k, v))
     assert split_local_rows(split, 2) == 3072
 
 
@@ -151,7 +147,7 @@ QKV_ERRORS = [
 def test_qkv_that_does_not_divide_raises_sharding_error(heads, kv, tp, fragments):
     split = qkv(heads, kv)
     with pytest.raises(ShardingError) as excinfo:
-        split_pieces(split, tp, 0)
+        split.pieces(Parallel(tp, 0))
     message = str(excinfo.value)
     for fragment in fragments:
         assert fragment in message
@@ -168,7 +164,7 @@ def test_error_lists_the_valid_tp_sizes():
 
 def test_error_is_raised_for_every_rank_not_only_rank_0():
     with pytest.raises(ShardingError):
-        split_pieces(qkv(32, 3), 8, 7)
+        qkv(32, 3).pieces(Parallel(8, 7))
 
 
 # --- 2.3 merged gate_up ----------------------------------------------------------------------------
@@ -186,7 +182,7 @@ GATE_UP_14336_TP8 = [
 def test_merged_gate_up_14336_tp8(rank, gate, up):
     split = merged(14336, 14336)
     assert split_local_rows(split, 8) == 3584
-    assert split_pieces(split, 8, rank) == (Piece(0, gate, (0, 1792)), Piece(1, up, (1792, 3584)))
+    assert split.pieces(Parallel(8, rank)) == (Piece(0, gate, (0, 1792)), Piece(1, up, (1792, 3584)))
 
 
 PHI3_GATE_UP_11008_TP2 = [
@@ -200,18 +196,18 @@ PHI3_GATE_UP_11008_TP2 = [
 def test_fused_on_disk_gate_up_11008_tp2(rank, gate, up):
     split = merged(11008, 11008)
     assert split.rows == 22016
-    offsets = segment_offsets(split)
+    offsets = segment_offsets(split.segments)
     assert offsets == {0: 0, 1: 11008}  # gate [0:11008], up [11008:22016]
     fused = {
         p.segment: ((offsets[p.segment] + p.src[0], offsets[p.segment] + p.src[1]), p.dst)
-        for p in split_pieces(split, 2, rank)
+        for p in split.pieces(Parallel(2, rank))
     }
     assert fused == {0: (gate, (0, 5504)), 1: (up, (5504, 11008))}
 
 
 def test_merged_output_size_that_does_not_divide():
     with pytest.raises(ShardingError, match=r"100 output rows \(segment 1\) cannot divide over tp=8"):
-        split_pieces(merged(64, 100), 8, 0)
+        merged(64, 100).pieces(Parallel(8, 0))
 
 
 # --- 2.4 vocab padding -----------------------------------------------------------------------------
@@ -313,7 +309,7 @@ def test_dst_ranges_tile_the_local_rows(case):
     tp, split = case
     local_rows = split_local_rows(split, tp)
     for rank in range(tp):
-        pieces = split_pieces(split, tp, rank)
+        pieces = split.pieces(Parallel(tp, rank))
         assert [p.segment for p in pieces] == [s.id for s in split.segments]
         position = 0
         for piece in pieces:

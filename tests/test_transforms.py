@@ -1,4 +1,4 @@
-"""The jitted JAX transforms (``functional_load.transforms``), the output targets and DLPack.
+"""The jitted JAX transforms (``functional_load.transform.kernels``), the output targets and DLPack.
 
 Everything bit-level is compared with a plain numpy / ml_dtypes reference written here, with the
 conventions of ``transforms``' module docstring (vLLM's):
@@ -29,8 +29,8 @@ import pytest
 import torch
 
 import functional_load as fl
-from functional_load import transforms
-from functional_load.materialize import shares_memory, to_jax, to_torch
+from functional_load.transform import kernels as transforms
+from functional_load.transform.dlpack import shares_memory, to_jax, to_torch
 
 FIXTURES = Path(__file__).parent / "fixtures" / "quant"
 E4M3FN = ml_dtypes.float8_e4m3fn
@@ -454,11 +454,14 @@ def test_fp8_targets(name: str, target: str, tp: int, rank: int) -> None:
             assert bool((error <= bound).all()), f"{module}: worst error / bound {float((error / bound).max()):.3f}"
     if name in ("ct_fp8_tensor", "quark_fp8", "llmc_fp8_kv"):
         assert requantized_any  # the fixtures' fused layers have unequal scales: requantization ran
-    # --- KV-cache scales
+    # --- KV-cache scales, as vLLM's BaseKVCacheMethod.process_weights_after_loading leaves them:
+    # both loaded (positive): kept; neither (vLLM's -1.0): 1.0; one alone: used for both; FNUZ doubles
     kv = [n for n in ckpt if n.endswith((".attn.k_scale", ".attn.v_scale"))]
     assert kv
     for n in kv:
-        assert out[n].shape == ckpt[n].shape and float(out[n]) == (2.0 if fnuz else 1.0) * float(ckpt[n])
+        k, v = (float(ckpt[n.rsplit(".", 1)[0] + f".{s}_scale"]) for s in ("k", "v"))
+        want = (k if n.endswith("k_scale") else v) if k > 0 and v > 0 else 1.0 if k < 0 and v < 0 else max(k, v)
+        assert out[n].shape == ckpt[n].shape and float(out[n]) == (2.0 if fnuz else 1.0) * want, (n, float(out[n]), k, v)
     # every other tensor is untouched
     untouched = [n for n in ckpt if not any(n.startswith(m + ".") for m in modules) and n not in kv]
     assert untouched

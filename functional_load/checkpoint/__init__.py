@@ -1,32 +1,31 @@
-"""Where the bytes live: weight-file discovery, header index, and readers.
+"""What is on disk, from headers only: weight files, their tensors, and where each tensor's bytes are.
 
-Everything here except the readers works from file names and headers only; no tensor data is read.
+A tensor's bytes are in one of three places, a small tagged union (:data:`Location`):
+
+* :class:`FileSpan`: a contiguous run of a safetensors file (or of a pre-sharded rank file);
+* :class:`PickleEntry`: a tensor inside a torch pickle, read through ``torch.load(weights_only=True)``;
+* :class:`SavedBoxes`: a tensor of the original checkpoint of a pre-sharded save, whose boxes are
+  stored in the rank files.
+
+Nothing in this package reads tensor data: :func:`functional_load.io.reader_for` does, for every
+kind of location, for every consumer.
 """
 
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import dataclass
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Mapping
+from typing import Mapping, Union
 
+from ..dtypes import itemsize
 
-@dataclass(frozen=True, slots=True)
-class TensorInfo:
-    """One checkpoint tensor, described by its header entry.
-
-    ``offset`` is the absolute byte offset of the first element in ``file`` and ``nbytes`` the
-    size of its data, so a reader can ``pread`` any row-major sub-box without parsing again.
-    """
-
-    name: str
-    file: Path
-    dtype: str  # safetensors code, e.g. "BF16"
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-    stamp: FileStamp | None = None  # the file as it was indexed; readers refuse a changed file
+Range = tuple[int, int]
+Box = tuple[Range, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,17 +44,118 @@ class FileStamp:
 
 
 @dataclass(frozen=True, slots=True)
+class FileSpan:
+    """The tensor's bytes are ``nbytes`` bytes of ``file`` from absolute ``offset`` (row-major)."""
+
+    file: Path
+    offset: int
+    nbytes: int
+    stamp: FileStamp | None = None  # the file as it was indexed; readers refuse a changed file
+
+
+@dataclass(frozen=True, slots=True)
+class PickleEntry:
+    """The tensor is an entry of a torch pickle ``file``."""
+
+    file: Path
+    stamp: FileStamp
+
+
+class RankFiles:
+    """The headers of a pre-sharded save's rank files, read on first use (a rank that keeps only
+    its own boxes never opens another rank's file) and then kept."""
+
+    def __init__(self, read_header: Callable[[Path], Mapping[str, TensorInfo]], known: Mapping[Path, Mapping[str, TensorInfo]]):
+        self._read = read_header
+        self._headers = dict(known)
+        self._lock = threading.Lock()
+
+    def info(self, file: Path, name: str) -> TensorInfo:
+        with self._lock:
+            if file not in self._headers:
+                self._headers[file] = self._read(file)
+            header = self._headers[file]
+        if name not in header:
+            from ..errors import FormatError
+
+            raise FormatError(f"{file}: has no tensor {name!r}, which the manifest lists")
+        return header[name]
+
+    def opened(self, file: Path) -> bool:
+        """Whether ``file``'s header was read (its data may have been)."""
+        with self._lock:
+            return file in self._headers
+
+
+@dataclass(frozen=True, slots=True)
+class SavedPiece:
+    """Box ``src`` of an original tensor, stored at box ``dst`` of tensor ``name`` of rank file
+    ``file`` (transposed back when ``transpose``: the parameter holds it ``[out, in]``)."""
+
+    src: Box
+    dst: Box
+    transpose: bool
+    file: Path
+    name: str
+    headers: RankFiles = field(compare=False, repr=False)
+
+    @property
+    def stored(self) -> TensorInfo:
+        """The rank-file tensor that holds the box (its header is read on first use)."""
+        return self.headers.info(self.file, self.name)
+
+
+@dataclass(frozen=True, slots=True)
+class SavedBoxes:
+    """The tensor is an original tensor of a pre-sharded save: its boxes are in the rank files,
+    the preferred rank's first."""
+
+    pieces: tuple[SavedPiece, ...]
+    manifest: Path
+
+
+Location = Union[FileSpan, PickleEntry, SavedBoxes]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """One checkpoint tensor: name, safetensors dtype code, shape, and where its bytes are."""
+
+    name: str
+    dtype: str  # safetensors code, e.g. "BF16"
+    shape: tuple[int, ...]
+    location: Location
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * itemsize(self.dtype)
+
+    @property
+    def file(self) -> Path:
+        """The file that holds the tensor (the manifest, for a tensor of a pre-sharded save)."""
+        location = self.location
+        return location.manifest if isinstance(location, SavedBoxes) else location.file
+
+
+@dataclass(frozen=True, slots=True)
 class Checkpoint:
-    """All tensors of a checkpoint directory, from headers only."""
+    """All tensors of a checkpoint directory, from headers only.
+
+    ``rank_local``: the tensors are one rank's parameters as they are (a pre-sharded save of
+    weights quantized while loading, which reloads only at its saved layout).
+    """
 
     directory: Path
-    load_format: str  # resolved load format: "hf", "safetensors", "mistral" or "pt"
+    load_format: str  # resolved load format: "hf", "safetensors", "mistral", "pt" or "sharded"
     files: tuple[Path, ...]  # weight files in load order (natural sort)
     tensors: Mapping[str, TensorInfo]
     index_file: Path | None = None
+    rank_local: bool = False
+    checksums: Mapping[Path, str] = field(default_factory=dict)  # file -> SHA-256 where recorded (a save's manifest)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tensors", MappingProxyType(dict(self.tensors)))
+        object.__setattr__(self, "checksums", MappingProxyType(dict(self.checksums)))
 
     @property
     def total_bytes(self) -> int:

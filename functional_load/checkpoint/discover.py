@@ -15,7 +15,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from functional_load.errors import CheckpointError, ConfigError, FormatError, LoadError, MissingFileError, SecurityError
+from ..errors import CheckpointError, ConfigError, FormatError, MissingFileError, SecurityError
+from ..paths import check_contained, strict_json_loads
 
 LOAD_FORMATS = ("auto", "hf", "safetensors", "mistral", "pt")
 
@@ -51,36 +52,6 @@ def natural_sort_key(name: str) -> tuple[str | int, ...]:
     return tuple(int(part) if i % 2 else part for i, part in enumerate(re.split(r"(\d+)", name)))
 
 
-def strict_json_loads(text: str | bytes, what: str, parse_int: Any = None) -> Any:
-    """``json.loads`` that rejects duplicate keys and NaN/Infinity, which plain json silently accepts.
-
-    ``parse_int``: an optional hook for integer literals (as ``json.loads``). Raises
-    ``CheckpointError`` naming ``what`` (the file) on any problem.
-    """
-
-    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for key, value in items:
-            if key in out:
-                raise FormatError(f"{what}: duplicate JSON key {key!r}; each key must appear once")
-            out[key] = value
-        return out
-
-    def constant(name: str) -> Any:
-        raise FormatError(f"{what}: JSON constant {name} is not allowed (strict JSON only)")
-
-    try:
-        return json.loads(text, object_pairs_hook=pairs, parse_constant=constant, parse_int=parse_int)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise FormatError(f"{what}: invalid JSON ({exc})") from exc
-    except RecursionError:
-        raise FormatError(f"{what}: JSON nested too deeply to be a checkpoint description") from None
-    except LoadError:
-        raise
-    except ValueError as exc:  # an integer literal past Python's int-conversion digit limit
-        raise FormatError(f"{what}: invalid JSON ({exc})") from None
-
-
 def _resolve_format(directory: Path, load_format: str) -> str:
     if not isinstance(load_format, str) or load_format.lower() not in LOAD_FORMATS:
         raise ConfigError(f"Unknown load_format {load_format!r}; use one of {', '.join(LOAD_FORMATS)}")
@@ -88,24 +59,6 @@ def _resolve_format(directory: Path, load_format: str) -> str:
     if fmt == "auto":
         return "mistral" if _glob(directory, "consolidated*.safetensors") else "hf"
     return fmt
-
-
-def allowed_root(directory: Path) -> Path:
-    """Where a weight file may really live: the model directory, or, for a Hugging Face cache
-    snapshot (``<repo>/snapshots/<revision>``, whose files link to ``<repo>/blobs``), the repo."""
-    real = directory.resolve()
-    return real.parent.parent if real.parent.name == "snapshots" else real
-
-
-def check_contained(path: Path, directory: Path, what: str = "Weight file") -> None:
-    """A weight file (or the config, index or manifest: ``what``), after following symlinks, must
-    stay inside :func:`allowed_root`."""
-    root, real = allowed_root(directory), path.resolve()
-    if real != root and root not in real.parents:
-        raise SecurityError(
-            f"{what} {str(path)!r} resolves to {str(real)!r}, outside the model directory {str(root)!r}; "
-            "a checkpoint must not read files elsewhere on the machine. Copy the file into the directory"
-        )
 
 
 def _glob(directory: Path, pattern: str) -> list[Path]:

@@ -12,11 +12,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-from functional_load.checkpoint import Checkpoint, FileStamp, TensorInfo
-from functional_load.checkpoint.discover import WeightFiles, strict_json_loads
-from functional_load.dtypes import SAFETENSORS_DTYPES, itemsize
-from functional_load.checkpoint.pickles import index_pickles
-from functional_load.errors import CheckpointError, FormatError, IntegrityError, SecurityError
+from ..dtypes import SAFETENSORS_DTYPES, itemsize
+from ..errors import CheckpointError, FormatError, IntegrityError, SecurityError
+from ..paths import strict_json_loads
+from . import Checkpoint, FileSpan, FileStamp, TensorInfo
+from .discover import WeightFiles
+from .pickles import index_pickles
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # same cap as the safetensors library
 MAX_TENSORS = 1_000_000  # a header this large is a denial of service, not a model
@@ -66,7 +67,7 @@ def _parse_entry(path: Path, name: str, entry: Any, data_start: int, file_size: 
             f"{where}: data ends at byte {data_start + end} but the file has only {file_size} bytes "
             "(truncated file? re-download it)"
         )
-    return TensorInfo(name, path, dtype, tuple(shape), data_start + begin, end - begin, stamp)
+    return TensorInfo(name, dtype, tuple(shape), FileSpan(path, data_start + begin, end - begin, stamp))
 
 
 def read_header(path: Path) -> dict[str, TensorInfo]:
@@ -108,25 +109,28 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
 
     data_start = 8 + n
     infos = [_parse_entry(path, name, entry, data_start, file_size, stamp) for name, entry in header.items()]
-    infos.sort(key=lambda t: (t.offset, t.name))
-    previous: TensorInfo | None = None
+    infos.sort(key=lambda t: (t.location.offset, t.name))
+    previous: FileSpan | None = None
+    previous_name = ""
     for info in infos:
-        if info.nbytes == 0:  # an empty range overlaps nothing
+        span = info.location
+        assert isinstance(span, FileSpan)
+        if span.nbytes == 0:  # an empty range overlaps nothing
             continue
-        if previous is not None and info.offset < previous.offset + previous.nbytes:
+        if previous is not None and span.offset < previous.offset + previous.nbytes:
             raise FormatError(
-                f"{path}: tensor {info.name!r} data [{info.offset - data_start}, "
-                f"{info.offset - data_start + info.nbytes}] overlaps tensor {previous.name!r} data "
+                f"{path}: tensor {info.name!r} data [{span.offset - data_start}, "
+                f"{span.offset - data_start + span.nbytes}] overlaps tensor {previous_name!r} data "
                 f"[{previous.offset - data_start}, {previous.offset - data_start + previous.nbytes}]"
             )
-        if previous is None and info.offset != data_start or previous is not None and info.offset != previous.offset + previous.nbytes:
-            at = info.offset - data_start
+        if previous is None and span.offset != data_start or previous is not None and span.offset != previous.offset + previous.nbytes:
+            at = span.offset - data_start
             after = 0 if previous is None else previous.offset - data_start + previous.nbytes
             raise FormatError(
                 f"{path}: tensor {info.name!r} data starts at {at}, leaving a hole after byte {after}; safetensors data "
                 f"must be contiguous from 0 (a file with gaps can hide other content)"
             )
-        previous = info
+        previous, previous_name = span, info.name
     end = previous.offset + previous.nbytes if previous is not None else data_start
     if end != file_size:
         raise (IntegrityError if end > file_size else FormatError)(

@@ -10,13 +10,14 @@ beyond the file. The result must be a plain ``{name: tensor}`` mapping.
 from __future__ import annotations
 
 import os
+import pickle
 import zipfile
 from pathlib import Path
 from typing import Any
 
 from ..dtypes import TORCH_TO_SAFETENSORS
 from ..errors import FormatError, IntegrityError, SecurityError
-from . import FileStamp, TensorInfo
+from . import FileStamp, PickleEntry, TensorInfo
 
 MIN_TORCH = (2, 10)
 
@@ -74,18 +75,22 @@ def safe_torch_load(path: Path) -> dict[str, Any]:
     check_archive(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as exc:  # the restricted unpickler refused it: nothing ran
+    except OSError as exc:  # the file, not the pickle: vanished, unreadable, a read error
+        raise IntegrityError(f"{path}: cannot be read ({exc.strerror or exc}); check the file and re-download it") from None
+    except pickle.UnpicklingError as exc:  # the restricted unpickler refused it: nothing ran
         raise SecurityError(
             f"{path}: torch.load(weights_only=True) refused this pickle ({type(exc).__name__}: {_refusal(exc)}); "
             f"no code from it ran. Do not load it with weights_only=False; convert it to safetensors in a sandbox"
         ) from None
+    except (RuntimeError, ValueError, EOFError, KeyError, AttributeError) as exc:  # a damaged archive
+        raise FormatError(f"{path}: not a readable torch checkpoint ({type(exc).__name__}: {_refusal(exc)})") from None
     if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
         raise FormatError(f"{path}: expected a mapping of tensor names to tensors, found {type(state).__name__}")
     return dict(state)
 
 
 def index_pickles(files: tuple[Path, ...]) -> dict[str, TensorInfo]:
-    """TensorInfo for every tensor of the pickle files (``offset`` -1: read through torch, not pread)."""
+    """TensorInfo for every tensor of the pickle files (read through torch, not pread)."""
     tensors: dict[str, TensorInfo] = {}
     for path in files:
         stamp = FileStamp.of(os.stat(path))
@@ -95,35 +100,5 @@ def index_pickles(files: tuple[Path, ...]) -> dict[str, TensorInfo]:
                 raise FormatError(f"{path}: tensor {name!r} has dtype {dtype}, which this loader does not handle")
             if name in tensors:
                 raise FormatError(f"tensor {name!r} appears in both {tensors[name].file} and {path}")
-            nbytes = tensor.numel() * tensor.element_size()
-            tensors[name] = TensorInfo(name, path, TORCH_TO_SAFETENSORS[dtype], tuple(tensor.shape), -1, nbytes, stamp)
+            tensors[name] = TensorInfo(name, TORCH_TO_SAFETENSORS[dtype], tuple(tensor.shape), PickleEntry(path, stamp))
     return tensors
-
-
-class PickleReader:
-    """Copies boxes out of memory-mapped ``torch.load`` results."""
-
-    def __init__(self) -> None:
-        self._states: dict[Path, dict[str, Any]] = {}
-        self.bytes_read = 0
-
-    def read_into(self, info: TensorInfo, box: Any, out: memoryview) -> None:
-        import numpy as np
-        import torch
-
-        from .read import check_unchanged
-
-        if info.file not in self._states:
-            try:
-                st = os.stat(info.file)
-            except FileNotFoundError:
-                raise IntegrityError(f"{info.file}: disappeared after it was indexed (needed for tensor {info.name!r})") from None
-            check_unchanged(info, st)
-            self._states[info.file] = safe_torch_load(info.file)
-        tensor = self._states[info.file][info.name]
-        part = tensor[tuple(slice(a, b) for a, b in box)].contiguous()
-        np.copyto(np.frombuffer(out, dtype=np.uint8), part.reshape(-1).view(torch.uint8).numpy())
-        self.bytes_read += part.numel() * part.element_size()
-
-    def close(self) -> None:
-        self._states.clear()

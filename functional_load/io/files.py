@@ -1,6 +1,6 @@
-"""Readers: the only code that touches tensor bytes.
+"""File readers: boxes of tensors stored as file spans, copied into caller-owned byte buffers.
 
-A reader copies a box of a checkpoint tensor into a caller-owned byte buffer. Strategies:
+Strategies:
 
 * ``pread`` (:class:`PreadReader`): positional reads (``preadv``) of exactly the box's byte runs,
   straight into the destination. A box made of many short runs (a row-parallel slice: one run
@@ -11,9 +11,11 @@ A reader copies a box of a checkpoint tensor into a caller-owned byte buffer. St
 * ``eager`` (:class:`EagerReader`): each file read whole, sequentially, into memory once, boxes
   copied from there (for filesystems where random reads are slow).
 
-Every reader counts the bytes it asks the OS for (``bytes_read``), so tests can prove what a
-rank touched, and re-checks each file's size before reading, so a file truncated after planning
-is an error, never a crash or silently different bytes.
+Every reader counts the bytes it asks the OS for (into a shared :class:`Tally`), so tests can
+prove what a rank touched, and re-checks each file's stamp before reading, so a file truncated
+or replaced after planning is an error, never a crash or silently different bytes. They are
+used through :func:`functional_load.io.reader_for`, which also serves pickles and pre-sharded
+saves.
 """
 
 from __future__ import annotations
@@ -22,21 +24,36 @@ import math
 import mmap
 import os
 import threading
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import numpy as np
 
+from ..checkpoint import FileSpan, FileStamp, TensorInfo
 from ..dtypes import itemsize
-from ..errors import ConfigError, IntegrityError
-from ..sharding import Box
-from . import FileStamp, TensorInfo
+from ..errors import IntegrityError
+from ..layout.segments import Box
+from .options import MiB, ReadOptions
 
-STRATEGIES = ("auto", "pread", "mmap", "eager")
-NETWORK_FILESYSTEMS = ("nfs", "nfs4", "lustre", "virtiofs", "ceph", "fuse.ceph", "fuse.juicefs", "gpfs", "beegfs")
-MiB = 1 << 20
 _ALIGN = 4096
+
+
+class Tally:
+    """Bytes read, counted from any thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.bytes = 0
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.bytes += n
+
+
+def span_of(info: TensorInfo) -> FileSpan:
+    location = info.location
+    if not isinstance(location, FileSpan):
+        raise TypeError(f"{info.name}: not stored as a file span ({type(location).__name__})")
+    return location
 
 
 def byte_runs(shape: tuple[int, ...], box: Box, item: int) -> tuple[np.ndarray, int]:
@@ -64,49 +81,6 @@ def byte_runs(shape: tuple[int, ...], box: Box, item: int) -> tuple[np.ndarray, 
     return offsets, run
 
 
-@dataclass(frozen=True, slots=True)
-class ReadOptions:
-    """How a load reads bytes. ``strategy="auto"`` picks by measurement (docs/performance.md).
-
-    ``prefetch=None`` turns prefetching on automatically on network filesystems when the bytes
-    to read fit in 90 % of available memory; ``threads`` readers work in parallel.
-    """
-
-    strategy: str = "auto"
-    threads: int = 4
-    prefetch: bool | None = None
-    prefetch_threads: int = 8
-    prefetch_block_size: int = 16 * MiB
-    direct: bool = False
-    max_over_read: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise ConfigError(f"read strategy {self.strategy!r} is unknown; use one of {STRATEGIES}")
-        for name in ("threads", "prefetch_threads", "prefetch_block_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        if not self.max_over_read >= 1.0:
-            raise ConfigError(f"max_over_read must be >= 1.0 (1.0 reads exactly the needed bytes), got {self.max_over_read!r}")
-        if self.direct and self.strategy not in ("pread", "auto"):
-            raise ConfigError(f"direct=True (O_DIRECT) needs the pread strategy, not {self.strategy!r}")
-        if self.max_over_read != 1.0 and self.strategy not in ("pread", "auto"):
-            raise ConfigError(f"max_over_read applies to the pread strategy only, not {self.strategy!r}")
-        if self.prefetch and self.strategy == "eager":
-            raise ConfigError("prefetch=True with strategy='eager' is contradictory: eager already reads every file whole")
-        if self.prefetch and self.direct:
-            raise ConfigError("prefetch=True warms the page cache, which direct=True (O_DIRECT) bypasses; pick one")
-
-
-class Reader(Protocol):
-    bytes_read: int
-
-    def read_into(self, info: TensorInfo, box: Box, out: memoryview) -> None: ...
-
-    def close(self) -> None: ...
-
-
 class _Files:
     """Open files, checked against the size recorded when they were indexed."""
 
@@ -117,22 +91,23 @@ class _Files:
         self._lock = threading.Lock()
 
     def fd(self, info: TensorInfo) -> int:
-        fd = self._fds.get(info.file)
+        span = span_of(info)
+        fd = self._fds.get(span.file)
         if fd is None:
             with self._lock:
-                fd = self._fds.get(info.file)
+                fd = self._fds.get(span.file)
                 if fd is None:
                     try:
-                        fd = os.open(info.file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | self._flags)
+                        fd = os.open(span.file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | self._flags)
                     except FileNotFoundError:
                         raise IntegrityError(
-                            f"{info.file}: disappeared after it was indexed (needed for tensor {info.name!r}); "
+                            f"{span.file}: disappeared after it was indexed (needed for tensor {info.name!r}); "
                             "re-plan the load once the checkpoint is stable"
                         ) from None
                     if self._advice is not None and hasattr(os, "posix_fadvise"):
                         os.posix_fadvise(fd, 0, 0, self._advice)
-                    self._fds[info.file] = fd
-        check_unchanged(info, os.fstat(fd))
+                    self._fds[span.file] = fd
+        check_unchanged(span, os.fstat(fd), info.name)
         return fd
 
     def close(self) -> None:
@@ -141,20 +116,20 @@ class _Files:
         self._fds.clear()
 
 
-def check_unchanged(info: TensorInfo, st: os.stat_result) -> None:
-    """Refuse a file that is not the one indexed: shorter than its tensors, or (when the index
-    recorded it) replaced, rewritten or resized since."""
-    if info.offset >= 0 and st.st_size < info.offset + info.nbytes:
+def check_unchanged(span: FileSpan, st: os.stat_result, name: str) -> None:
+    """Refuse a file that is not the one indexed: shorter than tensor ``name``'s span, or (when
+    the index recorded it) replaced, rewritten or resized since."""
+    if st.st_size < span.offset + span.nbytes:
         raise IntegrityError(
-            f"{info.file}: tensor {info.name!r} needs bytes up to {info.offset + info.nbytes}, but the file now has "
+            f"{span.file}: tensor {name!r} needs bytes up to {span.offset + span.nbytes}, but the file now has "
             f"{st.st_size}; it was truncated or replaced after it was indexed"
         )
-    if info.stamp is not None and FileStamp.of(st) != info.stamp:
-        now = FileStamp.of(st)
+    if span.stamp is not None and FileStamp.of(st) != span.stamp:
+        now, then = FileStamp.of(st), span.stamp
         raise IntegrityError(
-            f"{info.file}: changed after it was indexed (size {info.stamp.size} -> {now.size}, mtime_ns "
-            f"{info.stamp.mtime_ns} -> {now.mtime_ns}, inode {info.stamp.inode} -> {now.inode}) while loading tensor "
-            f"{info.name!r}; re-plan the load once the checkpoint is stable"
+            f"{span.file}: changed after it was indexed (size {then.size} -> {now.size}, mtime_ns "
+            f"{then.mtime_ns} -> {now.mtime_ns}, inode {then.inode} -> {now.inode}) while loading tensor "
+            f"{name!r}; re-plan the load once the checkpoint is stable"
         )
 
 
@@ -176,7 +151,7 @@ def _pread_full(fd: int, target: memoryview, offset: int, info: TensorInfo) -> i
         more = os.preadv(fd, [target[got:]], offset + got)
         if more == 0:
             raise IntegrityError(
-                f"{info.file}: tensor {info.name!r} ends early: read {got} of {target.nbytes} bytes at offset "
+                f"{span_of(info).file}: tensor {info.name!r} ends early: read {got} of {target.nbytes} bytes at offset "
                 f"{offset}; the file was truncated or changed after it was indexed"
             )
         got += more
@@ -196,7 +171,8 @@ class PreadReader:
     """
 
     def __init__(
-        self, *, max_over_read: float = 1.0, direct: bool = False, chunk_bytes: int = 16 * MiB, adaptive: bool = False
+        self, *, max_over_read: float = 1.0, direct: bool = False, chunk_bytes: int = 16 * MiB, adaptive: bool = False,
+        tally: Tally | None = None,
     ) -> None:
         random = getattr(os, "POSIX_FADV_RANDOM", None)
         self._files = _Files(getattr(os, "O_DIRECT", 0) if direct else 0, None if direct else random)
@@ -205,12 +181,14 @@ class PreadReader:
         self._max_over_read = max_over_read
         self._adaptive = adaptive
         self._chunk = chunk_bytes
-        self._count_lock = threading.Lock()
-        self.bytes_read = 0
+        self.tally = tally or Tally()
+
+    @property
+    def bytes_read(self) -> int:
+        return self.tally.bytes
 
     def _count(self, n: int) -> None:
-        with self._count_lock:
-            self.bytes_read += n
+        self.tally.add(n)
 
     def read_into(self, info: TensorInfo, box: Box, out: memoryview) -> None:
         """Fill ``out`` (a writable, C-contiguous byte buffer of the box's size) with ``box`` of ``info``."""
@@ -220,18 +198,19 @@ class PreadReader:
         if run == 0:
             return
         fd = self._files.fd(info)
+        base = span_of(info).offset
         span = int(offsets[-1]) + run - int(offsets[0])
         if self._direct:
             self._read_direct(fd, info, offsets, run, out)
         elif len(offsets) > 1 and (
             span <= self._max_over_read * run * len(offsets)
-            or self._adaptive and len(offsets) >= 64 and not _resident(fd, info.offset + int(offsets[len(offsets) // 2]))
+            or self._adaptive and len(offsets) >= 64 and not _resident(fd, base + int(offsets[len(offsets) // 2]))
         ):
             self._read_span(self._spans.fd(info), info, offsets, run, out)
         else:
             position = 0
             for offset in offsets.tolist():
-                position += _pread_full(fd, out[position : position + run], info.offset + offset, info)
+                position += _pread_full(fd, out[position : position + run], base + offset, info)
             self._count(position)
 
     def _read_span(self, fd: int, info: TensorInfo, offsets: np.ndarray, run: int, out: memoryview) -> None:
@@ -239,7 +218,7 @@ class PreadReader:
         stride = int(offsets[1] - offsets[0]) if len(offsets) > 1 else run
         if not np.all(np.diff(offsets) == stride):
             for i, offset in enumerate(offsets.tolist()):
-                self._count(_pread_full(fd, out[i * run : (i + 1) * run], info.offset + offset, info))
+                self._count(_pread_full(fd, out[i * run : (i + 1) * run], span_of(info).offset + offset, info))
             return
         rows_per_chunk = max(1, self._chunk // stride)
         dest = np.frombuffer(out, dtype=np.uint8).reshape(len(offsets), run)
@@ -248,7 +227,7 @@ class PreadReader:
             rows = min(rows_per_chunk, len(offsets) - first)
             length = (rows - 1) * stride + run
             view = memoryview(scratch)[:length]
-            self._count(_pread_full(fd, view, info.offset + int(offsets[first]), info))
+            self._count(_pread_full(fd, view, span_of(info).offset + int(offsets[first]), info))
             strided = np.lib.stride_tricks.as_strided(scratch, shape=(rows, run), strides=(stride, 1))
             np.copyto(dest[first : first + rows], strided)
 
@@ -256,7 +235,7 @@ class PreadReader:
         """O_DIRECT: read page-aligned ranges around each run into an aligned scratch buffer."""
         position = 0
         for offset in offsets.tolist():
-            start = info.offset + offset
+            start = span_of(info).offset + offset
             lo, hi = start // _ALIGN * _ALIGN, -(-(start + run) // _ALIGN) * _ALIGN
             scratch = mmap.mmap(-1, hi - lo)
             try:
@@ -269,7 +248,7 @@ class PreadReader:
                     got += more
                 if got < start + run - lo:
                     raise IntegrityError(
-                        f"{info.file}: tensor {info.name!r} ends early at offset {lo + got}; the file was truncated"
+                        f"{span_of(info).file}: tensor {info.name!r} ends early at offset {lo + got}; the file was truncated"
                     )
                 self._count(got)
                 out[position : position + run] = view[start - lo : start - lo + run]
@@ -296,27 +275,32 @@ class MmapReader:
     pages, readahead), which is why this strategy is for page-cache-hot files.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, tally: Tally | None = None) -> None:
         self._files = _Files()
         self._maps: dict[Path, mmap.mmap] = {}
         self._lock = threading.Lock()
-        self.bytes_read = 0
+        self.tally = tally or Tally()
+
+    @property
+    def bytes_read(self) -> int:
+        return self.tally.bytes
 
     def _source(self, info: TensorInfo) -> mmap.mmap | memoryview:
         fd = self._files.fd(info)
+        span = span_of(info)
         with self._lock:
-            m = self._maps.get(info.file)
-            if m is None or len(m) < info.offset + info.nbytes:
-                m = self._maps[info.file] = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+            m = self._maps.get(span.file)
+            if m is None or len(m) < span.offset + span.nbytes:
+                m = self._maps[span.file] = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
             return m
 
     def _copied(self, nbytes: int) -> None:
-        with self._lock:
-            self.bytes_read += nbytes
+        self.tally.add(nbytes)
 
     def read_into(self, info: TensorInfo, box: Box, out: memoryview) -> None:
         item = itemsize(info.dtype)
-        source = np.frombuffer(self._source(info), dtype=np.uint8, count=info.nbytes, offset=info.offset)
+        span = span_of(info)
+        source = np.frombuffer(self._source(info), dtype=np.uint8, count=span.nbytes, offset=span.offset)
         shape = info.shape or (1,)
         source = source.reshape(shape[:-1] + (shape[-1] * item,))
         last = (slice(box[-1][0] * item, box[-1][1] * item),) if box else (slice(None),)
@@ -343,14 +327,15 @@ class MmapReader:
 class EagerReader(MmapReader):
     """Reads each file whole, sequentially, on first use, then copies boxes from memory."""
 
-    def __init__(self, block_size: int = 16 * MiB) -> None:
-        super().__init__()
+    def __init__(self, block_size: int = 16 * MiB, tally: Tally | None = None) -> None:
+        super().__init__(tally)
         self._block = block_size
         self._buffers: dict[Path, memoryview] = {}
 
     def _source(self, info: TensorInfo) -> memoryview:
+        path = span_of(info).file
         with self._lock:
-            buffer = self._buffers.get(info.file)
+            buffer = self._buffers.get(path)
         if buffer is None:
             fd = self._files.fd(info)
             size = os.fstat(fd).st_size
@@ -359,10 +344,12 @@ class EagerReader(MmapReader):
             while done < size:
                 done += _pread_full(fd, buffer[done : min(size, done + self._block)], done, info)
             with self._lock:
-                if info.file not in self._buffers:
-                    self._buffers[info.file] = buffer
-                    self.bytes_read += size
-                buffer = self._buffers[info.file]
+                fresh = path not in self._buffers
+                if fresh:
+                    self._buffers[path] = buffer
+                buffer = self._buffers[path]
+            if fresh:
+                self.tally.add(size)
         return buffer
 
     def _copied(self, nbytes: int) -> None:
@@ -378,54 +365,14 @@ class EagerReader(MmapReader):
         super().close()
 
 
-def filesystem_type(path: str | os.PathLike) -> str:
-    """The filesystem type of ``path`` (longest matching mount point in /proc/mounts)."""
-    best, kind = "", "unknown"
-    try:
-        target = os.path.realpath(path)
-        with open("/proc/mounts") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) >= 3 and (target == parts[1] or target.startswith(parts[1].rstrip("/") + "/")):
-                    if len(parts[1]) > len(best):
-                        best, kind = parts[1], parts[2]
-    except OSError:
-        pass
-    return kind
+FileReader = PreadReader | MmapReader
 
 
-def available_memory() -> int:
-    """MemAvailable, capped by a cgroup v2 memory limit when there is one."""
-    available = 0
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    available = int(line.split()[1]) * 1024
-    except OSError:
-        return 0
-    try:
-        limit = open("/sys/fs/cgroup/memory.max").read().strip()
-        used = int(open("/sys/fs/cgroup/memory.current").read())
-        if limit != "max":
-            available = min(available, int(limit) - used)
-    except OSError:
-        pass
-    return available
-
-
-def should_prefetch(options: ReadOptions, model_dir: str | os.PathLike, bytes_to_read: int) -> bool:
-    """vLLM's rule, extended: prefetch on network filesystems when the reads fit in 90 % of RAM."""
-    if options.prefetch is not None:
-        return options.prefetch
-    return filesystem_type(model_dir) in NETWORK_FILESYSTEMS and bytes_to_read <= 0.9 * available_memory()
-
-
-def make_reader(options: ReadOptions) -> Reader:
-    """The reader for ``options`` (``auto``: exact preads, with row-parallel slices read as spans
-    when ``max_over_read`` allows)."""
+def file_reader(options: ReadOptions, tally: Tally) -> FileReader:
+    """The file reader for ``options`` (``auto``: exact preads, with row-parallel slices read as
+    sequential spans when ``max_over_read`` allows or when the tensor is not in the page cache)."""
     if options.strategy == "mmap":
-        return MmapReader()
+        return MmapReader(tally)
     if options.strategy == "eager":
-        return EagerReader(options.prefetch_block_size)
-    return PreadReader(max_over_read=options.max_over_read, direct=options.direct, adaptive=options.strategy == "auto")
+        return EagerReader(options.prefetch_block_size, tally)
+    return PreadReader(max_over_read=options.max_over_read, direct=options.direct, adaptive=options.strategy == "auto", tally=tally)

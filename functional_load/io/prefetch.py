@@ -12,9 +12,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..dtypes import itemsize
-from ..sharding import box_volume
-from .read import ReadOptions, byte_runs
+from .options import ReadOptions
+from .reader import file_spans
 
 _GAP = 1 << 20  # ranges closer than this are read as one
 
@@ -24,11 +23,8 @@ def planned_ranges(plan: object) -> dict[Path, list[tuple[int, int]]]:
     spans: dict[Path, list[tuple[int, int]]] = {}
     for param in plan.params:  # type: ignore[attr-defined]
         for copy in param.copies + param.checks:
-            info = plan.tensors[copy.tensor]  # type: ignore[attr-defined]
-            if box_volume(copy.src) == 0:
-                continue
-            offsets, run = byte_runs(info.shape, copy.src, itemsize(info.dtype))
-            spans.setdefault(info.file, []).append((info.offset + int(offsets[0]), info.offset + int(offsets[-1]) + run))
+            for path, start, stop in file_spans(plan.tensors[copy.tensor], copy.src):  # type: ignore[attr-defined]
+                spans.setdefault(path, []).append((start, stop))
     merged: dict[Path, list[tuple[int, int]]] = {}
     for path, ranges in spans.items():
         out: list[tuple[int, int]] = []

@@ -1,7 +1,7 @@
-"""Quantization schemes: which parameters a linear module has, and how each is sharded.
+"""Quantized linears: which parameters a linear module has under a scheme, and how each is sharded.
 
-The scheme decides the parameter manifest at layout time; the planner and reader never
-special-case a format. Shapes are global (what the checkpoint holds); the sharding says how
+The scheme (:class:`functional_load.model.quant.QuantScheme`) decides the parameter manifest at
+layout time; the planner and reader never special-case a format. Shapes are global (what the checkpoint holds); the sharding says how
 each tensor splits with the linear's output segments (column-like) or its input (row).
 """
 
@@ -11,10 +11,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..errors import ConfigError
-from ..sharding import Blocked, Pick, Replicated, Segment, Shared, Sharding, Slots, Split
+from ..model.quant import QuantScheme
+from .scales import Blocked, Pick, Shared, Slots
+from .segments import Segment
+from .sharding import Replicated, Sharding, Split
 
-FP8_FORMATS = ("fp8",)
-INT_FORMATS = ("int8", "pack", "gptq", "awq")
+ParamDef = tuple[str, tuple[int, ...], Sharding, str]  # (suffix, global shape, sharding, dtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,118 +75,93 @@ def pack_segments(segments: tuple[Segment, ...], pack: int) -> tuple[Segment, ..
     return tuple(packed)
 
 
-@dataclass(frozen=True, slots=True)
-class QuantScheme:
-    """How one linear module is quantized.
+def groups_of(scheme: QuantScheme, linear: Linear) -> int:
+    """Quantization groups along the input of ``linear`` (1 for per-channel int formats)."""
+    if scheme.group_size == -1 or scheme.group_size >= linear.in_size:
+        return 1
+    if linear.in_size % scheme.group_size:
+        raise ConfigError(f"input size {linear.in_size} is not a multiple of the group size {scheme.group_size}")
+    return linear.in_size // scheme.group_size
 
-    * ``fp8``: ``weight`` float8_e4m3fn; ``strategy`` tensor (one scale per logical shard),
-      channel (``[out, 1]``) or block (``block = (bn, bk)``, scale named ``scale_name``).
+
+def quant_params(scheme: QuantScheme, linear: Linear, model_dtype: str) -> list[ParamDef]:
+    """``(suffix, global shape, sharding, dtype)`` of every parameter of a linear quantized with
+    ``scheme``, bias excluded: the format's manifest, as vLLM's ``create_weights`` makes it.
+
+    * ``fp8``: ``weight`` float8_e4m3fn; a per-tensor scale per logical shard (``Slots``), per
+      channel (``[out, 1]``) or per block (``Blocked``), named ``scheme.scale_name``.
     * ``int8``: ``weight`` int8, per-channel or per-tensor ``weight_scale`` (W8A8, W8A16).
     * ``pack``: compressed-tensors pack-quantized int4/int8 (``weight_packed [out, in/pf]``,
-      ``weight_scale [out, groups]``, asymmetric ``weight_zero_point [out/pf, groups]``).
+      ``weight_scale [out, groups]``, asymmetric ``weight_zero_point [out/pf, groups]``,
+      ``weight_shape``).
     * ``gptq``: ``qweight [in/pf, out]``, ``qzeros [groups, out/pf]``, ``scales [groups, out]``,
-      ``g_idx [in]`` with act-order; ``zero_offset`` 1 for v1 checkpoints (stored zero - 1).
+      ``g_idx [in]`` with act-order.
     * ``awq``: ``qweight [in, out/pf]`` (interleaved), ``qzeros``, ``scales``.
-
-    ``online`` FP8 schemes read an unquantized weight and quantize it as it is loaded; their
-    scales are derived from the weight, not read.
     """
-
-    format: str
-    bits: int = 8
-    strategy: str = "tensor"  # tensor | channel | group | block
-    group_size: int = -1
-    block: tuple[int, int] | None = None
-    symmetric: bool = True
-    static_input: bool = False
-    scale_name: str = "weight_scale"
-    scale_dtype: str = "float32"
-    zero_offset: int = 0
-    act_order: bool = False
-    online: bool = False  # the checkpoint holds unquantized weights; quantize them while loading
-    block_rule: str = "strict"  # the block-shape check of its scales (see sharding.Blocked.rule)
-
-    def __post_init__(self) -> None:
-        if self.format not in FP8_FORMATS + INT_FORMATS:
-            raise ConfigError(f"unknown quantization format {self.format!r}")
-        if self.strategy == "block" and (self.block is None or len(self.block) != 2):
-            raise ConfigError(f"block quantization needs a block size of 2 dimensions, got {self.block!r}")
-
-    @property
-    def pack_factor(self) -> int:
-        return 32 // self.bits
-
-    def groups(self, linear: Linear) -> int:
-        if self.group_size in (-1, None) or self.group_size >= linear.in_size:
-            return 1
-        if linear.in_size % self.group_size:
-            raise ConfigError(f"input size {linear.in_size} is not a multiple of the group size {self.group_size}")
-        return linear.in_size // self.group_size
-
-    def params(self, linear: Linear, model_dtype: str) -> list[tuple[str, tuple[int, ...], Sharding, str]]:
-        """``(suffix, global shape, sharding, dtype)`` of every parameter of the layer, bias excluded."""
-        out, inp = linear.out_size, linear.in_size
-        weight_sharding = linear.out_split(0) if linear.column else linear.in_split(1, inp, "input columns")
-        if self.format in ("fp8", "int8"):
-            dtype = "float8_e4m3fn" if self.format == "fp8" else "int8"
-            params = [("weight", (out, inp), weight_sharding, dtype), self._scale(linear)]
-            if self.static_input:
-                params.append(("input_scale", (len(linear.slot_ids()),), Slots(linear.slot_ids()), "float32"))
-            return params
-        pf, groups = self.pack_factor, self.groups(linear)
-        if self.format == "pack":
-            params = [
-                ("weight_packed", (out, inp // pf), linear.out_split(0) if linear.column else linear.in_split(1, inp // pf, "packed input columns"), "int32"),
-                ("weight_scale", (out, groups), self._group_split(linear, 0, 1, groups), model_dtype),
-            ]
-            if not self.symmetric:
-                params.append(("weight_zero_point", (-(-out // pf), groups), linear.out_split(0, pf) if linear.column else linear.in_split(1, groups, "quantization groups"), "int32"))
-            # The checkpoint's [out, in] of each part; vLLM keeps the last part it loads.
-            ids = linear.slot_ids()
-            params.append(("weight_shape", (2,), Pick(ids, ids[-1]) if len(ids) > 1 else Replicated(), "int64"))
-            return params
-        if self.format == "gptq":
-            scale_groups = self._group_split(linear, 1, 0, groups, replicate_in=self.act_order)
-            params = [
-                ("qweight", (inp // pf, out), linear.out_split(1) if linear.column else linear.in_split(0, inp // pf, "packed input rows"), "int32"),
-                ("qzeros", (groups, out // pf), linear.out_split(1, pf) if linear.column else _groups(linear, 0, groups, self.act_order), "int32"),
-                ("scales", (groups, out), scale_groups, model_dtype),
-            ]
-            if self.act_order:
-                g_idx = linear.in_split(0, inp, "input rows") if linear.row else Shared(linear.slot_ids())
-                params.append(("g_idx", (inp,), g_idx, "int32"))
-            return params
-        # awq
-        return [
-            ("qweight", (inp, out // pf), linear.out_split(1, pf) if linear.column else linear.in_split(0, inp, "input rows"), "int32"),
-            ("qzeros", (groups, out // pf), linear.out_split(1, pf) if linear.column else _groups(linear, 0, groups, False), "int32"),
-            ("scales", (groups, out), self._group_split(linear, 1, 0, groups), model_dtype),
+    out, inp = linear.out_size, linear.in_size
+    weight_sharding = linear.out_split(0) if linear.column else linear.in_split(1, inp, "input columns")
+    if scheme.format in ("fp8", "int8"):
+        dtype = "float8_e4m3fn" if scheme.format == "fp8" else "int8"
+        params = [("weight", (out, inp), weight_sharding, dtype), _scale(scheme, linear)]
+        if scheme.static_input:
+            params.append(("input_scale", (len(linear.slot_ids()),), Slots(linear.slot_ids()), "float32"))
+        return params
+    pf, groups = scheme.pack_factor, groups_of(scheme, linear)
+    if scheme.format == "pack":
+        params = [
+            ("weight_packed", (out, inp // pf), linear.out_split(0) if linear.column else linear.in_split(1, inp // pf, "packed input columns"), "int32"),
+            ("weight_scale", (out, groups), _group_split(linear, 0, 1, groups), model_dtype),
         ]
+        if not scheme.symmetric:
+            params.append(("weight_zero_point", (-(-out // pf), groups), linear.out_split(0, pf) if linear.column else linear.in_split(1, groups, "quantization groups"), "int32"))
+        # The checkpoint's [out, in] of each part; vLLM keeps the last part it loads.
+        ids = linear.slot_ids()
+        params.append(("weight_shape", (2,), Pick(ids, ids[-1]) if len(ids) > 1 else Replicated(), "int64"))
+        return params
+    if scheme.format == "gptq":
+        scale_groups = _group_split(linear, 1, 0, groups, replicate_in=scheme.act_order)
+        params = [
+            ("qweight", (inp // pf, out), linear.out_split(1) if linear.column else linear.in_split(0, inp // pf, "packed input rows"), "int32"),
+            ("qzeros", (groups, out // pf), linear.out_split(1, pf) if linear.column else _groups(linear, 0, groups, scheme.act_order), "int32"),
+            ("scales", (groups, out), scale_groups, model_dtype),
+        ]
+        if scheme.act_order:
+            g_idx = linear.in_split(0, inp, "input rows") if linear.row else Shared(linear.slot_ids())
+            params.append(("g_idx", (inp,), g_idx, "int32"))
+        return params
+    # awq
+    return [
+        ("qweight", (inp, out // pf), linear.out_split(1, pf) if linear.column else linear.in_split(0, inp, "input rows"), "int32"),
+        ("qzeros", (groups, out // pf), linear.out_split(1, pf) if linear.column else _groups(linear, 0, groups, False), "int32"),
+        ("scales", (groups, out), _group_split(linear, 1, 0, groups), model_dtype),
+    ]
 
-    def _scale(self, linear: Linear) -> tuple[str, tuple[int, ...], Sharding, str]:
-        out, inp = linear.out_size, linear.in_size
-        if self.strategy == "tensor":
-            ids = linear.slot_ids()
-            return (self.scale_name, (len(ids),), Slots(ids), "float32")
-        if self.strategy == "channel":
-            return (self.scale_name, (out, 1), linear.out_split(0), "float32")
-        if self.strategy == "block":
-            bn, bk = self.block  # type: ignore[misc]
-            shape = (-(-out // bn), -(-inp // bk))
-            if linear.column:
-                sharding: Sharding = Blocked(Split(0, linear.segments, linear.disable_tp), bn, self.block_rule)
-            elif linear.row:
-                sharding = Blocked(Split(1, (Segment(0, inp, label="input columns"),)), bk, self.block_rule)
-            else:
-                sharding = Replicated()
-            return (self.scale_name, shape, sharding, self.scale_dtype)
-        raise ConfigError(f"{self.format} weights with a {self.strategy!r} scale strategy are not supported")
 
-    def _group_split(self, linear: Linear, out_dim: int, in_dim: int, groups: int, replicate_in: bool = False) -> Sharding:
-        """Per-group scales: split with the outputs (column) or over the groups (row)."""
+def _scale(scheme: QuantScheme, linear: Linear) -> ParamDef:
+    out, inp = linear.out_size, linear.in_size
+    if scheme.strategy == "tensor":
+        ids = linear.slot_ids()
+        return (scheme.scale_name, (len(ids),), Slots(ids), "float32")
+    if scheme.strategy == "channel":
+        return (scheme.scale_name, (out, 1), linear.out_split(0), "float32")
+    if scheme.strategy == "block":
+        bn, bk = scheme.block  # type: ignore[misc]
+        shape = (-(-out // bn), -(-inp // bk))
         if linear.column:
-            return linear.out_split(out_dim)
-        return _groups(linear, in_dim, groups, replicate_in)
+            sharding: Sharding = Blocked(Split(0, linear.segments, linear.disable_tp), bn, scheme.block_rule)
+        elif linear.row:
+            sharding = Blocked(Split(1, (Segment(0, inp, label="input columns"),)), bk, scheme.block_rule)
+        else:
+            sharding = Replicated()
+        return (scheme.scale_name, shape, sharding, scheme.scale_dtype)
+    raise ConfigError(f"{scheme.format} weights with a {scheme.strategy!r} scale strategy are not supported")
+
+
+def _group_split(linear: Linear, out_dim: int, in_dim: int, groups: int, replicate_in: bool = False) -> Sharding:
+    """Per-group scales: split with the outputs (column) or over the groups (row)."""
+    if linear.column:
+        return linear.out_split(out_dim)
+    return _groups(linear, in_dim, groups, replicate_in)
 
 
 def _groups(linear: Linear, dim: int, groups: int, replicate: bool) -> Sharding:

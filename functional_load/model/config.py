@@ -1,27 +1,43 @@
-"""``config.json``: strict parsing and the model dtype it declares."""
+"""``config.json``: where it is, strict parsing, and the one rule for the model dtype."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import Checkpoint
-from .checkpoint.discover import check_contained, strict_json_loads
-from .dtypes import canonical_dtype, torch_name
-from .errors import CheckpointError, ConfigError, MissingFileError
+from ..dtypes import canonical_dtype, torch_name
+from ..errors import CheckpointError, ConfigError, MissingFileError
+from ..paths import check_contained, strict_json_loads
 
 MAX_CONFIG_BYTES = 16 * 1024 * 1024
+CONFIG = "config.json"
 
 
-def read_config(model_dir: str | Path) -> dict[str, Any]:
-    """The model's ``config.json`` as a dict (strict JSON: no duplicate keys, no NaN)."""
-    path = Path(model_dir) / "config.json"
-    if not Path(model_dir).is_dir():
-        raise MissingFileError(f"{model_dir}: model directory not found (it must be a local directory)")
+def model_directory(model: str | Path) -> Path:
+    """The model directory ``model`` names: a directory, or the ``config.json`` inside one. Any
+    other path is an error that says what it is and what to pass."""
+    path = Path(model)
+    if path.is_dir():
+        return path
+    if path.is_file() and path.name == CONFIG:
+        return path.parent
+    if path.is_file():
+        raise ConfigError(
+            f"{path} is a file, not a model directory; pass the directory that holds config.json and the weight files "
+            f"({path.parent})"
+        )
+    raise MissingFileError(f"{path}: model directory not found (it must be a local directory holding config.json)")
+
+
+def read_config(model: str | Path) -> dict[str, Any]:
+    """The model's ``config.json`` as a dict (strict JSON: no duplicate keys, no NaN); ``model``
+    is the model directory or its ``config.json``."""
+    directory = model_directory(model)
+    path = directory / CONFIG
     if not path.is_file():
         raise ConfigError(f"{path}: no config.json in the model directory; it is needed to know the model's shapes")
-    check_contained(path, Path(model_dir), "Config file")
+    check_contained(path, directory, "Config file")
     if path.stat().st_size > MAX_CONFIG_BYTES:
         raise ConfigError(f"{path}: {path.stat().st_size} bytes is larger than the {MAX_CONFIG_BYTES}-byte limit for a config")
     try:
@@ -33,21 +49,39 @@ def read_config(model_dir: str | Path) -> dict[str, Any]:
     return config
 
 
-def model_dtype(config: Mapping[str, Any], checkpoint: Checkpoint, requested: Any = None) -> str:
-    """The destination dtype: ``requested`` if given, else the config's ``dtype``/``torch_dtype``,
-    else the most common floating dtype among the checkpoint tensors."""
+_FLOATS = ("float16", "bfloat16", "float32", "float64")
+
+
+def declared_dtype(config: Mapping[str, Any]) -> Any:
+    """The dtype ``config.json`` names (``dtype``/``torch_dtype``, or its ``text_config``'s), or None."""
+    declared = config.get("dtype") or config.get("torch_dtype")
+    text = config.get("text_config")
+    if declared is None and isinstance(text, Mapping):
+        declared = text.get("dtype") or text.get("torch_dtype")
+    return declared
+
+
+def model_dtype(requested: Any, config: Mapping[str, Any], weight_dtypes: Iterable[str] = (), where: str = "config.json") -> str:
+    """The destination dtype of a model, as vLLM's ``dtype="auto"`` decides it (the one rule
+    used by ``layout``, ``plan``, ``load`` and ``load_jax``).
+
+    ``requested`` when given; else the config's ``dtype``/``torch_dtype`` (or its
+    ``text_config``'s); else the widest floating dtype of the weights (``weight_dtypes``,
+    safetensors codes from the headers); else float32. vLLM serves float32 models in bfloat16,
+    so float32 from the config or the weights becomes bfloat16 unless it was ``requested``.
+    ``where`` names the config in errors.
+    """
     try:
         explicit = canonical_dtype(requested)
-        if explicit:
-            return explicit
-        declared = canonical_dtype(config.get("dtype") or config.get("torch_dtype"))
     except ValueError as exc:
-        raise ConfigError(f"{checkpoint.directory}/config.json or dtype argument: {exc}") from None
-    if declared:
-        return declared
-    counts: dict[str, int] = {}
-    for info in checkpoint.tensors.values():
-        name = torch_name(info.dtype)
-        if name in ("float16", "bfloat16", "float32", "float64"):
-            counts[name] = counts.get(name, 0) + info.nbytes
-    return max(counts, key=counts.__getitem__) if counts else "float32"
+        raise ConfigError(f"the dtype argument: {exc}") from None
+    if explicit:
+        return explicit
+    try:
+        found = canonical_dtype(declared_dtype(config))
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    if found is None:
+        floats = {torch_name(code) for code in weight_dtypes} & set(_FLOATS)
+        found = "float32" if not floats or floats - {"float16", "bfloat16"} or len(floats) > 1 else floats.pop()
+    return "bfloat16" if found in ("float32", "float64") else found

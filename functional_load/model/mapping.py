@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Literal, Union
 
-from .sharding import ShardId
+ShardId = Union[int, str]  # which part of a fused parameter a tensor fills: "q", "k", "v", 0, 1...
 
 RuleKind = Literal["rename", "regex", "substr", "expert", "stacked", "prefix", "suffix"]
 RULE_KINDS: tuple[RuleKind, ...] = ("rename", "regex", "substr", "expert", "stacked", "prefix", "suffix")

@@ -15,8 +15,66 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError
-from ..mapping import MappingTable
-from .schemes import QuantScheme
+from .mapping import MappingTable
+
+FORMATS = ("fp8", "int8", "pack", "gptq", "awq")
+STRATEGIES = ("tensor", "channel", "group", "block")
+
+
+@dataclass(frozen=True, slots=True)
+class QuantScheme:
+    """How one linear module is quantized.
+
+    * ``fp8``: ``weight`` float8_e4m3fn; ``strategy`` tensor (one scale per logical shard),
+      channel (``[out, 1]``) or block (``block = (bn, bk)``, scale named ``scale_name``).
+    * ``int8``: ``weight`` int8, per-channel or per-tensor ``weight_scale`` (W8A8, W8A16).
+    * ``pack``: compressed-tensors pack-quantized int4/int8 (``weight_packed [out, in/pf]``,
+      ``weight_scale [out, groups]``, asymmetric ``weight_zero_point [out/pf, groups]``).
+    * ``gptq``: ``qweight [in/pf, out]``, ``qzeros [groups, out/pf]``, ``scales [groups, out]``,
+      ``g_idx [in]`` with act-order; ``zero_offset`` 1 for v1 checkpoints (stored zero - 1).
+    * ``awq``: ``qweight [in, out/pf]`` (interleaved), ``qzeros``, ``scales``.
+
+    ``online`` FP8 schemes read an unquantized weight and quantize it as it is loaded; their
+    scales are derived from the weight, not read.
+    """
+
+    format: str
+    bits: int = 8
+    strategy: str = "tensor"  # tensor | channel | group | block
+    group_size: int = -1
+    block: tuple[int, int] | None = None
+    symmetric: bool = True
+    static_input: bool = False
+    scale_name: str = "weight_scale"
+    scale_dtype: str = "float32"
+    zero_offset: int = 0
+    act_order: bool = False
+    online: bool = False  # the checkpoint holds unquantized weights; quantize them while loading
+    block_rule: str = "strict"  # the block-shape check of its scales (see layout.scales.Blocked.rule)
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise ConfigError(f"unknown quantization format {self.format!r}; known: {FORMATS}")
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(f"unknown quantization strategy {self.strategy!r}; known: {STRATEGIES}")
+        if self.bits not in (2, 4, 8):
+            raise ConfigError(f"{self.bits}-bit weights are not supported (2, 4 or 8)")
+        if self.strategy == "block":
+            block = self.block
+            if block is None or len(block) != 2 or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block):
+                raise ConfigError(f"block quantization needs a block size of 2 positive integers, got {block!r}; check config.json")
+        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or not (self.group_size == -1 or self.group_size > 0):
+            raise ConfigError(f"quantization group_size must be a positive integer or -1, got {self.group_size!r}; check config.json")
+        if self.block_rule not in ("strict", "fp8", "none"):
+            raise ConfigError(f"unknown block rule {self.block_rule!r}")
+
+    @property
+    def pack_factor(self) -> int:
+        return 32 // self.bits
+
+    @property
+    def pack_factor(self) -> int:
+        return 32 // self.bits
 
 
 # vLLM's KV-cache scale names (``QuantizationConfig.get_cache_scale_mapper`` + Fp8/Quark output scales).
@@ -88,13 +146,26 @@ def _matches(patterns: Sequence[str], name: str) -> bool:
     return False
 
 
-def parse_quant_config(config: Mapping[str, Any], model_dtype: str) -> QuantConfig | None:
-    """``None`` for an unquantized model; a ConfigError for a format this loader cannot read."""
+def parse_quant_config(config: Mapping[str, Any]) -> QuantConfig | None:
+    """``None`` for an unquantized model; a ConfigError for a format this loader cannot read or
+    a malformed field (never a bare TypeError or ValueError)."""
     qc = config.get("quantization_config")
     if qc is None:
         return None
     if not isinstance(qc, Mapping):
         raise ConfigError(f"config.json quantization_config must be an object, found {type(qc).__name__}")
+    try:
+        return _parse(qc)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(
+            f"config.json quantization_config is malformed ({type(exc).__name__}: {exc!s:.200}); check it against what "
+            f"the quantization tool writes"
+        ) from None
+
+
+def _parse(qc: Mapping[str, Any]) -> QuantConfig:
     method = str(qc.get("quant_method", "")).lower()
     if method == "fp8":
         return _fp8(qc)
@@ -115,6 +186,13 @@ def parse_quant_config(config: Mapping[str, Any], model_dtype: str) -> QuantConf
         f"config.json quantization_config.quant_method = {method!r} is not supported; supported: fp8, "
         f"compressed-tensors, gptq, awq, auto-round, quark (FP8)"
     )
+
+
+def _int(value: Any, what: str) -> int:
+    """An integer field of quantization_config (not a bool, a float or a string)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"config.json quantization_config {what} must be an integer, found {value!r:.60}")
+    return value
 
 
 def _ignore(qc: Mapping[str, Any]) -> tuple[str, ...]:
@@ -147,7 +225,7 @@ def _fp8(qc: Mapping[str, Any]) -> QuantConfig:
             )
         # vLLM keeps block scales float32, e8m0 (scale_fmt "ue8m0") ones included: powers of two, cast exactly.
         default = QuantScheme(
-            "fp8", strategy="block", block=(int(block[0]), int(block[1])), scale_name="weight_scale_inv", block_rule="fp8"
+            "fp8", strategy="block", block=(_int(block[0], "weight_block_size[0]"), _int(block[1], "weight_block_size[1]")), scale_name="weight_scale_inv", block_rule="fp8"
         )
     else:
         default = QuantScheme("fp8", strategy="tensor", static_input=scheme == "static")
@@ -157,17 +235,17 @@ def _fp8(qc: Mapping[str, Any]) -> QuantConfig:
 def _ct_scheme(group: Mapping[str, Any], fmt: str) -> QuantScheme:
     weights = group.get("weights") or {}
     acts = group.get("input_activations")
-    bits = int(weights.get("num_bits", 8))
+    bits = _int(weights.get("num_bits", 8), "weights.num_bits")
     kind = weights.get("type", "int")
     strategy = str(weights.get("strategy", "tensor")).lower()
     static_input = bool(acts) and not acts.get("dynamic", True) and acts.get("strategy", "tensor") == "tensor"
     if kind == "float":
         if bits != 8:
             raise ConfigError(f"compressed-tensors float weights of {bits} bits are not supported (FP8 only)")
-        block = tuple(weights["block_structure"]) if strategy == "block" else None
+        block = tuple(_int(b, "weights.block_structure") for b in weights["block_structure"]) if strategy == "block" else None
         return QuantScheme("fp8", strategy=strategy, block=block, static_input=static_input)  # type: ignore[arg-type]
     if fmt == "pack-quantized":
-        group_size = int(weights.get("group_size") or -1)
+        group_size = _int(weights.get("group_size") or -1, "weights.group_size")
         return QuantScheme(
             "pack", bits=bits, strategy=strategy, group_size=group_size, symmetric=bool(weights.get("symmetric", True)),
             act_order=weights.get("actorder") == "group",
@@ -209,10 +287,10 @@ def _ct_kv(scheme: Any) -> tuple[KVParam, ...]:
 
 
 def _int4(qc: Mapping[str, Any]) -> tuple[int, int]:
-    bits = int(qc.get("bits", 4))
+    bits = _int(qc.get("bits", 4), "bits")
     if bits not in (2, 4, 8):
         raise ConfigError(f"config.json: {bits}-bit GPTQ/AWQ weights are not supported (2, 4 or 8)")
-    return bits, int(qc.get("group_size", -1))
+    return bits, _int(qc.get("group_size", -1), "group_size")
 
 
 def _gptq(qc: Mapping[str, Any], v2: bool) -> QuantConfig:
@@ -259,9 +337,10 @@ def _quark(qc: Mapping[str, Any]) -> QuantConfig:
 ONLINE_METHODS = ("fp8", "fp8_block")
 
 
-def online_quant_config(method: str, config: Mapping[str, Any]) -> QuantConfig:
+def online_quant_config(method: str, config: Mapping[str, Any], stored: bool = False) -> QuantConfig:
     """Quantize an unquantized checkpoint while loading: ``"fp8"`` (per-tensor scale
-    ``amax / 448`` per rank-local weight) or ``"fp8_block"`` (128 x 128 blocks)."""
+    ``amax / 448`` per rank-local weight) or ``"fp8_block"`` (128 x 128 blocks). ``stored``: the
+    weights were quantized so when saved (a pre-sharded save); they and their scales are read."""
     if method not in ONLINE_METHODS:
         raise ConfigError(f"quantization={method!r} is not supported; use one of {ONLINE_METHODS}")
     if config.get("quantization_config") is not None:
@@ -271,7 +350,7 @@ def online_quant_config(method: str, config: Mapping[str, Any]) -> QuantConfig:
             f"({existing!r}); drop the quantization option to load it as stored"
         )
     if method == "fp8":
-        scheme = QuantScheme("fp8", strategy="tensor", online=True)
+        scheme = QuantScheme("fp8", strategy="tensor", online=not stored)
     else:
-        scheme = QuantScheme("fp8", strategy="block", block=(128, 128), scale_name="weight_scale_inv", online=True, block_rule="none")
+        scheme = QuantScheme("fp8", strategy="block", block=(128, 128), scale_name="weight_scale_inv", online=not stored, block_rule="none")
     return QuantConfig(f"online-{method}", scheme, kv_params=BASE_KV, mapping=(CACHE_SCALES,))

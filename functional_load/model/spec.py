@@ -4,15 +4,11 @@ A spec names the config keys that give each dimension (as small expressions), th
 the model with their parallel kind, the tied-embedding rule, and the name-mapping stages. Adding
 an architecture means adding a TOML file; no Python changes.
 
-Expressions are a tiny, safe subset of Python over config keys and earlier dims: names, numbers,
-``+ - * // %``, comparisons (``in`` too), ``and``/``or``/``not`` and ``x if c else y``. A missing config key is
-``None``, so ``"num_key_value_heads or num_attention_heads"`` is a fallback.
+Sizes are expressions over config keys (:mod:`.expressions`).
 """
 
 from __future__ import annotations
 
-import ast
-import operator
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -21,7 +17,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from .errors import ConfigError
+from ..errors import ConfigError
+from .expressions import evaluate
 from .mapping import RULE_KINDS, MappingTable, Rule
 
 if sys.version_info >= (3, 11):
@@ -30,76 +27,6 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 MODULE_KINDS = ("vocab", "column", "merged", "qkv", "row", "replicated_linear", "replicated", "experts", "kv_cache")
-
-_BINOPS = {
-    ast.Add: operator.add,
-    ast.Sub: operator.sub,
-    ast.Mult: operator.mul,
-    ast.FloorDiv: operator.floordiv,
-    ast.Mod: operator.mod,
-}
-_CMPOPS = {
-    ast.In: lambda a, b: a in (b or ()),
-    ast.NotIn: lambda a, b: a not in (b or ()),
-    ast.Eq: operator.eq,
-    ast.NotEq: operator.ne,
-    ast.Lt: operator.lt,
-    ast.LtE: operator.le,
-    ast.Gt: operator.gt,
-    ast.GtE: operator.ge,
-}
-
-
-def evaluate(expr: str | int | float | bool, lookup: Mapping[str, Any] | Any) -> Any:
-    """Evaluate a spec expression; ``lookup[name]`` gives a value or ``None`` when absent."""
-    if not isinstance(expr, str):
-        return expr
-    try:
-        tree = ast.parse(expr, mode="eval")
-    except SyntaxError as exc:
-        raise ConfigError(f"invalid spec expression {expr!r}: {exc.msg}") from None
-
-    def ev(node: ast.AST) -> Any:
-        if isinstance(node, ast.Expression):
-            return ev(node.body)
-        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float, bool, str)):
-            return node.value
-        if isinstance(node, ast.Name):
-            return lookup[node.id]
-        if isinstance(node, ast.BoolOp):
-            values = (ev(v) for v in node.values)
-            if isinstance(node.op, ast.Or):
-                result = None
-                for result in values:
-                    if result:
-                        return result
-                return result
-            result = True
-            for result in values:
-                if not result:
-                    return result
-            return result
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.Not, ast.USub)):
-            value = ev(node.operand)
-            return (not value) if isinstance(node.op, ast.Not) else -_number(value, node.operand)
-        if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
-            return _BINOPS[type(node.op)](_number(ev(node.left), node.left), _number(ev(node.right), node.right))
-        if isinstance(node, ast.Compare) and len(node.ops) == 1 and type(node.ops[0]) in _CMPOPS:
-            return _CMPOPS[type(node.ops[0])](ev(node.left), ev(node.comparators[0]))
-        if isinstance(node, ast.IfExp):
-            return ev(node.body) if ev(node.test) else ev(node.orelse)
-        raise ConfigError(f"unsupported construct {ast.dump(node)[:60]} in spec expression {expr!r}")
-
-    def _number(value: Any, node: ast.AST) -> Any:
-        if value is None:
-            raise ConfigError(f"config.json has no {ast.unparse(node)!r}, needed by spec expression {expr!r}")
-        return value
-
-    try:
-        return ev(tree)
-    except (TypeError, ZeroDivisionError, OverflowError) as exc:  # config values of the wrong type, or 0
-        raise ConfigError(f"spec expression {expr!r} fails on the values in config.json: {exc}") from None
-
 
 @dataclass(frozen=True, slots=True)
 class ModuleSpec:

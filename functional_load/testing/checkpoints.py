@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -67,7 +66,9 @@ from typing import Any, Mapping
 
 import torch
 
-from functional_load.dtypes import canonical_dtype
+from ..dtypes import canonical_dtype
+from .experts import MoeLayout, fuse, has_fused, unfuse
+from .files import list_tensors, read_checkpoint_tensors, remove_weight_files, write_shards
 
 __all__ = [
     "ARCHS",
@@ -81,27 +82,6 @@ __all__ = [
     "write_shards",
 ]
 
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
-
-
-@dataclass(frozen=True)
-class MoeLayout:
-    """Names of an architecture's routed experts on disk.
-
-    Per-expert: ``{layer}.{per_expert_prefix}.{e}.{gate|up|down}.weight``, each a 2-D
-    ``nn.Linear`` weight (gate/up ``[I, H]``, down ``[H, I]``).
-    Fused: ``{layer}.{fused_prefix}.gate_up_proj`` ``[E, 2I, H]`` (gate rows first, then up) and
-    ``{layer}.{fused_prefix}.down_proj`` ``[E, H, I]``; ``fused_renames`` are substring renames
-    applied to every other name of the checkpoint in the fused layout (and undone when unfusing).
-    """
-
-    per_expert_prefix: str
-    gate: str
-    up: str
-    down: str
-    fused_prefix: str = "mlp.experts"
-    fused_renames: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -293,18 +273,18 @@ def write_checkpoint(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    _remove_weight_files(out)
+    remove_weight_files(out)
     with _quiet_transformers():
         model.save_pretrained(out, max_shard_size=max_shard_size)
     _set_config_dtype(out / "config.json", dtype_name)
 
     if spec.moe is not None:
         tensors = read_checkpoint_tensors(out)
-        on_disk_fused = _has_fused(tensors, spec.moe)
+        on_disk_fused = has_fused(tensors, spec.moe)
         if fused_experts and not on_disk_fused:
-            write_shards(out, fuse_experts(tensors, arch), max_shard_size)
+            write_shards(out, fuse(tensors, spec.moe), max_shard_size)
         elif not fused_experts and on_disk_fused:
-            write_shards(out, unfuse_experts(tensors, arch), max_shard_size)
+            write_shards(out, unfuse(tensors, spec.moe), max_shard_size)
     return out
 
 
@@ -326,12 +306,6 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
     for _, t in tensors:
         if t.is_floating_point():
             t.copy_(torch.randn(t.shape, generator=gen, dtype=torch.float32) * 0.02)
-
-
-def _remove_weight_files(out: Path) -> None:
-    for p in out.iterdir():
-        if p.is_file() and (p.name == INDEX_NAME or (p.name.startswith("model") and p.suffix == ".safetensors")):
-            p.unlink()
 
 
 def _set_config_dtype(config_path: Path, dtype_name: str) -> None:
@@ -360,220 +334,18 @@ class _quiet_transformers:
             self._logging.enable_progress_bar()
 
 
-# --------------------------------------------------------------------------------------------
-# Expert layout conversion
-
-
-def _layer_expert_re(moe: MoeLayout) -> re.Pattern[str]:
-    names = "|".join(re.escape(n) for n in (moe.gate, moe.up, moe.down))
-    return re.compile(
-        rf"^(?P<layer>.*\.layers\.\d+)\.{re.escape(moe.per_expert_prefix)}\.(?P<e>\d+)\.(?P<w>{names})\.weight$"
-    )
-
-
-def _fused_re(moe: MoeLayout) -> re.Pattern[str]:
-    return re.compile(rf"^(?P<layer>.*\.layers\.\d+)\.{re.escape(moe.fused_prefix)}\.(?P<w>gate_up_proj|down_proj)$")
-
-
-def _has_fused(tensors: Mapping[str, torch.Tensor], moe: MoeLayout) -> bool:
-    pat = _fused_re(moe)
-    return any(pat.match(n) for n in tensors)
-
-
-def _rename(name: str, renames: tuple[tuple[str, str], ...]) -> str:
-    for old, new in renames:
-        name = name.replace(old, new)
-    return name
-
-
 def fuse_experts(tensors: Mapping[str, torch.Tensor], arch: str) -> dict[str, torch.Tensor]:
-    """Per-expert 2-D expert weights -> fused 3-D ``gate_up_proj``/``down_proj`` (see ``MoeLayout``).
-
-    ``gate_up_proj[e] = cat([gate_e, up_e], dim=0)`` (``[2I, H]``), ``down_proj[e] = down_e``
-    (``[H, I]``). Other tensors keep their order and values (names renamed per ``fused_renames``);
-    each fused pair takes the place of its layer's first expert tensor.
-    """
-    moe = _spec(arch).moe
-    if moe is None:
-        raise ValueError(f"{arch!r} has no experts")
-    pat = _layer_expert_re(moe)
-    role = {moe.gate: "gate", moe.up: "up", moe.down: "down"}
-    groups: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
-    out: dict[str, torch.Tensor | None] = {}
-    for name, t in tensors.items():
-        m = pat.match(name)
-        if m is None:
-            out[_rename(name, moe.fused_renames)] = t
-            continue
-        layer = m["layer"]
-        if layer not in groups:
-            groups[layer] = {"gate": {}, "up": {}, "down": {}}
-            fused_layer = _rename(layer + ".", moe.fused_renames)[:-1]
-            out[f"{fused_layer}.{moe.fused_prefix}.gate_up_proj"] = None  # placeholders keep order
-            out[f"{fused_layer}.{moe.fused_prefix}.down_proj"] = None
-        groups[layer][role[m["w"]]][int(m["e"])] = t
-    for layer, g in groups.items():
-        experts = sorted(g["gate"])
-        if not experts or experts != list(range(len(experts))) or any(sorted(g[r]) != experts for r in ("up", "down")):
-            raise ValueError(f"{layer}: incomplete or non-contiguous experts {[sorted(g[r]) for r in g]}")
-        fused_layer = _rename(layer + ".", moe.fused_renames)[:-1]
-        out[f"{fused_layer}.{moe.fused_prefix}.gate_up_proj"] = torch.stack(
-            [torch.cat([g["gate"][e], g["up"][e]], dim=0) for e in experts]
-        ).contiguous()
-        out[f"{fused_layer}.{moe.fused_prefix}.down_proj"] = torch.stack([g["down"][e] for e in experts]).contiguous()
-    return out  # type: ignore[return-value]
+    """Per-expert expert weights of ``arch`` -> the fused 3-D layout (see :class:`MoeLayout`)."""
+    return fuse(tensors, _moe(arch))
 
 
 def unfuse_experts(tensors: Mapping[str, torch.Tensor], arch: str) -> dict[str, torch.Tensor]:
-    """Fused 3-D experts -> per-expert 2-D weights with the classic names; inverse of ``fuse_experts``.
+    """Fused 3-D expert weights of ``arch`` -> per expert; inverse of :func:`fuse_experts`."""
+    return unfuse(tensors, _moe(arch))
 
-    Per layer, experts are emitted in order ``e = 0..E-1`` as gate, up, down (each a contiguous
-    copy), in place of the fused pair.
-    """
+
+def _moe(arch: str) -> MoeLayout:
     moe = _spec(arch).moe
     if moe is None:
         raise ValueError(f"{arch!r} has no experts")
-    pat = _fused_re(moe)
-    undo = tuple((new, old) for old, new in moe.fused_renames)
-    fused: dict[str, dict[str, torch.Tensor]] = {}
-    for name, t in tensors.items():
-        m = pat.match(name)
-        if m is not None:
-            fused.setdefault(m["layer"], {})[m["w"]] = t
-    out: dict[str, torch.Tensor] = {}
-    done: set[str] = set()
-    for name, t in tensors.items():
-        m = pat.match(name)
-        if m is None:
-            out[_rename(name, undo)] = t
-            continue
-        layer = m["layer"]
-        if layer in done:
-            continue
-        done.add(layer)
-        pair = fused[layer]
-        if set(pair) != {"gate_up_proj", "down_proj"}:
-            raise ValueError(f"{layer}: needs both gate_up_proj and down_proj, has {sorted(pair)}")
-        gate_up, down = pair["gate_up_proj"], pair["down_proj"]
-        n_exp, two_i, _ = gate_up.shape
-        if two_i % 2 or down.shape[0] != n_exp or down.shape[2] != two_i // 2:
-            raise ValueError(f"{layer}: gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} disagree")
-        inter = two_i // 2
-        base = _rename(layer + ".", undo)[:-1]
-        for e in range(n_exp):
-            prefix = f"{base}.{moe.per_expert_prefix}.{e}"
-            out[f"{prefix}.{moe.gate}.weight"] = gate_up[e, :inter].clone()
-            out[f"{prefix}.{moe.up}.weight"] = gate_up[e, inter:].clone()
-            out[f"{prefix}.{moe.down}.weight"] = down[e].clone()
-    return out
-
-
-# --------------------------------------------------------------------------------------------
-# Shards on disk
-
-
-def _size_to_int(size: str | int) -> int:
-    if isinstance(size, int):
-        return size
-    from transformers.utils.hub import convert_file_size_to_int
-
-    return convert_file_size_to_int(size)
-
-
-def write_shards(
-    out_dir: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor], max_shard_size: str | int = "100KB"
-) -> list[Path]:
-    """Write ``tensors`` as transformers-style shards (greedy, in the given order) plus the index.
-
-    Replaces existing ``model*.safetensors`` files and the index in ``out_dir``. A shard is closed
-    before a tensor that would push it past ``max_shard_size`` (a larger tensor gets its own
-    shard). One shard is written as ``model.safetensors`` without an index, as transformers does.
-    Returns the shard paths.
-    """
-    from safetensors.torch import save_file
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    limit = _size_to_int(max_shard_size)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > limit:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t.contiguous()
-        size += nbytes
-    _remove_weight_files(out)
-    n = len(shards)
-    names = [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    paths = []
-    for fname, shard in zip(names, shards):
-        save_file(shard, str(out / fname), metadata={"format": "pt"})
-        paths.append(out / fname)
-    if n > 1:
-        index = {
-            "metadata": {
-                "total_parameters": sum(t.numel() for t in tensors.values()),
-                "total_size": sum(t.numel() * t.element_size() for t in tensors.values()),
-            },
-            "weight_map": {name: fname for fname, shard in zip(names, shards) for name in shard},
-        }
-        (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-    return paths
-
-
-def _weight_files(path: Path) -> list[Path]:
-    if path.is_file():
-        return [path]
-    index = path / INDEX_NAME
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [path / f for f in sorted(set(weight_map.values()))]
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no safetensors files in {path}")
-    return files
-
-
-def read_checkpoint_tensors(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
-    """Every tensor of a safetensors checkpoint (directory, via the index if any, or one file).
-
-    Reference data for tests: loaded with ``safetensors.torch.load_file``, shard by shard in file
-    name order. Raises if a name appears in two shards or the index disagrees with the shards.
-    """
-    from safetensors.torch import load_file
-
-    p = Path(path)
-    out: dict[str, torch.Tensor] = {}
-    for f in _weight_files(p):
-        for name, t in load_file(str(f)).items():
-            if name in out:
-                raise ValueError(f"tensor {name!r} appears in more than one shard ({f.name})")
-            out[name] = t
-    index = p / INDEX_NAME if p.is_dir() else None
-    if index is not None and index.exists():
-        mapped = set(json.loads(index.read_text())["weight_map"])
-        if mapped != set(out):
-            raise ValueError(
-                f"index and shards disagree: only in index {sorted(mapped - set(out))[:5]}, "
-                f"only in shards {sorted(set(out) - mapped)[:5]}"
-            )
-    return out
-
-
-def list_tensors(path: str | os.PathLike[str]) -> dict[str, tuple[tuple[int, ...], str]]:
-    """``name -> (shape, safetensors dtype code)`` for a checkpoint, from headers only, sorted by name."""
-    from safetensors import safe_open
-
-    found: dict[str, tuple[tuple[int, ...], str]] = {}
-    for f in _weight_files(Path(path)):
-        with safe_open(str(f), "pt") as sf:
-            for name in sf.keys():
-                sl = sf.get_slice(name)
-                found[name] = (tuple(sl.get_shape()), sl.get_dtype())
-    return dict(sorted(found.items(), key=lambda kv: _natural_key(kv[0])))
-
-
-def _natural_key(name: str) -> list[Any]:
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+    return moe

@@ -18,8 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import LoadError
-from ..sharding import Blocked, Slots, Split, blocked_pieces, split_pieces
-from .schemes import QuantScheme
+from ..model.quant import QuantScheme
 
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # element e of a word sits in field AWQ_REVERSE_ORDER[e]
 _FP8 = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
@@ -85,19 +84,6 @@ def _getter(state: Mapping[str, Any], module: str):
     return get
 
 
-def _local_pieces(plan: Any, name: str) -> list[tuple[Any, tuple[int, int]]]:
-    """(segment id, local range) along the split dim of a parameter on the plan's rank."""
-    spec = plan.param(name).spec
-    tp, rank = plan.parallel.tp_size, plan.parallel.rank
-    sharding = spec.sharding
-    if isinstance(sharding, Blocked):
-        tp, rank = (1, 0) if sharding.split.disable_tp else (tp, rank)
-        return [(p.segment, p.dst) for p in blocked_pieces(sharding, tp, rank, fused=False)]
-    if isinstance(sharding, Split):
-        return [(p.segment, p.dst) for p in split_pieces(sharding, tp, rank)]
-    return [(None, (0, spec.local_shape[0] if spec.local_shape else 1))]
-
-
 def _scaled(plan: Any, module: str, scheme: QuantScheme, get: Any, target: str) -> Any:
     import torch
 
@@ -109,29 +95,20 @@ def _scaled(plan: Any, module: str, scheme: QuantScheme, get: Any, target: str) 
             return weight * scale
     if scheme.strategy == "channel":
         return weight * scale.reshape(-1, 1)
-    if scheme.strategy == "tensor":
-        slots = plan.param(f"{module}.{scheme.scale_name}").spec.sharding
-        assert isinstance(slots, Slots)
-        weight_sharding = plan.param(f"{module}.weight").spec.sharding
+    if scheme.strategy == "tensor":  # one scale per fused segment, over that segment's rows
+        ids = plan.param(f"{module}.{scheme.scale_name}").spec.sharding.ids
         per_row = torch.empty(weight.shape[0])
-        if isinstance(weight_sharding, Split) and weight_sharding.dim == 0:
-            for segment, (start, stop) in _local_pieces(plan, f"{module}.weight"):
-                per_row[start:stop] = scale[slots.ids.index(segment)]
-        else:  # row-parallel or replicated: one scale for the whole matrix
-            per_row[:] = scale.reshape(-1)[0]
+        for segment, (start, stop) in plan.param(f"{module}.weight").spec.local_pieces(plan.parallel):
+            per_row[start:stop] = scale.reshape(-1)[ids.index(segment) if segment is not None else 0]
         return weight * per_row[:, None]
     # block: expand each segment's scale blocks over its rows, and blocks over columns
     bn, bk = scheme.block  # type: ignore[misc]
     rows, cols = weight.shape
-    blocked = plan.param(f"{module}.{scheme.scale_name}").spec.sharding
-    if isinstance(blocked, Blocked) and blocked.split.dim == 0:
-        weight_rows = dict(_local_pieces(plan, f"{module}.weight"))
-        scale_rows = torch.empty(rows, scale.shape[1])
-        for segment, (b0, b1) in _local_pieces(plan, f"{module}.{scheme.scale_name}"):
-            r0, r1 = weight_rows[segment]
-            scale_rows[r0:r1] = scale[b0:b1].repeat_interleave(bn, dim=0)[: r1 - r0]
-    else:
-        scale_rows = scale.repeat_interleave(bn, dim=0)[:rows]
+    weight_rows = dict(plan.param(f"{module}.weight").spec.local_pieces(plan.parallel))
+    scale_rows = torch.empty(rows, scale.shape[1])
+    for segment, (b0, b1) in plan.param(f"{module}.{scheme.scale_name}").spec.local_pieces(plan.parallel):
+        r0, r1 = weight_rows.get(segment, (0, rows))
+        scale_rows[r0:r1] = scale[b0:b1].repeat_interleave(bn, dim=0)[: r1 - r0]
     return weight * scale_rows.repeat_interleave(bk, dim=1)[:, :cols]
 
 

@@ -28,22 +28,3 @@ def to_torch(array: Any) -> Any:
 def shares_memory(tensor: Any, array: Any) -> bool:
     """Whether a torch tensor and a jax array use the same buffer (zero-copy check)."""
     return int(array.unsafe_buffer_pointer()) == int(tensor.data_ptr())
-
-
-def to_device(state: Any, device: Any) -> Any:
-    """The state on a torch ``device`` (e.g. ``"cuda:0"``): each tensor is staged through pinned
-    host memory and copied asynchronously; tied aliases stay one tensor."""
-    import torch
-
-    from .execute import LoadedState
-
-    moved: dict[int, Any] = {}
-    out = {}
-    for name, tensor in state.items():
-        if id(tensor) not in moved:
-            source = tensor.pin_memory() if torch.cuda.is_available() else tensor
-            moved[id(tensor)] = source.to(device, non_blocking=True)
-        out[name] = moved[id(tensor)]
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return LoadedState(out, state.plan, state.target, state.stats)

@@ -1,7 +1,7 @@
 """Online FP8 quantization: turn one rank-local dense weight into FP8 plus its scales.
 
 Runs as soon as the weight is read, so a load holds one dense weight at a time, not the model.
-The kernels are the jitted JAX functions of :mod:`.transforms`; tensors cross over by DLPack.
+The kernels are the jitted JAX functions of :mod:`.kernels`; tensors cross over by DLPack.
 """
 
 from __future__ import annotations
@@ -10,14 +10,18 @@ import ctypes
 from functools import cache
 from typing import Any
 
-from .materialize import to_jax, to_torch
-from .plan import Plan
-from .quant.schemes import QuantScheme
-from .sharding import Split, split_pieces
+from ..plan.plan import ParamPlan, Plan
+from .dlpack import to_jax, to_torch
 
 
-def quantize_online(plan: Plan, module: str, scheme: QuantScheme, dense: Any) -> dict[str, Any]:
-    """``{weight, scale}`` tensors of ``module`` quantized from ``dense`` (its rank-local weight).
+def is_online_weight(plan: Plan, param: ParamPlan) -> bool:
+    """A weight that online quantization reads dense and quantizes as it is loaded."""
+    scheme = plan.schemes.get(param.spec.module)
+    return scheme is not None and scheme.online and param.spec.name.endswith(".weight")
+
+
+def quantize_online(plan: Plan, param: ParamPlan, dense: Any) -> dict[str, Any]:
+    """``{weight, scale}`` tensors of ``param``'s module, quantized from ``dense`` (its rank-local weight).
 
     Per-tensor: one ``amax / 448`` scale for the whole local weight, stored in every shard slot
     (the checkpoint FP8 layout). Block: ``128 x 128`` tiles per output segment, so each
@@ -25,22 +29,19 @@ def quantize_online(plan: Plan, module: str, scheme: QuantScheme, dense: Any) ->
     """
     import torch
 
-    from . import transforms
+    from . import kernels
 
+    module = param.spec.module
+    scheme = plan.schemes[module]
     _release_freed_memory()
     weight = to_jax(dense)
     scale_spec = plan.param(f"{module}.{scheme.scale_name}").spec
     if scheme.strategy == "tensor":
-        quantized, scale = transforms.quantize_fp8_per_tensor(weight)
+        quantized, scale = kernels.quantize_fp8_per_tensor(weight)
         scales = torch.full(scale_spec.local_shape, float(scale), dtype=torch.float32)
         return {f"{module}.weight": to_torch(quantized), f"{module}.{scheme.scale_name}": scales}
-    sharding = plan.param(f"{module}.weight").spec.sharding
-    if isinstance(sharding, Split) and sharding.dim == 0:
-        tp, rank = (1, 0) if sharding.disable_tp else (plan.parallel.tp_size, plan.parallel.rank)
-        ranges = [p.dst for p in split_pieces(sharding, tp, rank)]
-    else:
-        ranges = [(0, dense.shape[0])]
-    parts = [transforms.quantize_fp8_block(weight[a:b], scheme.block) for a, b in ranges]
+    ranges = [rng for _, rng in param.spec.local_pieces(plan.parallel)]  # 128 x 128 tiles per output segment
+    parts = [kernels.quantize_fp8_block(weight[a:b], scheme.block) for a, b in ranges]
     quantized = torch.cat([to_torch(q) for q, _ in parts])
     scales = torch.cat([to_torch(s) for _, s in parts]).to(torch.float32)
     if tuple(scales.shape) != tuple(scale_spec.local_shape):

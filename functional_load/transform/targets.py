@@ -18,34 +18,35 @@ from __future__ import annotations
 
 from typing import Any
 
-from .materialize import to_jax, to_torch
-from .sharding import Split, split_pieces
+from collections.abc import Mapping
+
+from ..errors import ConfigError
+from ..plan.plan import Plan
+from .dlpack import to_jax, to_torch
 
 TARGETS = ("checkpoint", "cuda-fp8", "rocm-fp8")
 
 
-def _segment_widths(plan: Any, module: str) -> tuple[int, ...]:
-    sharding = plan.param(f"{module}.weight").spec.sharding
-    if isinstance(sharding, Split) and sharding.dim == 0:
-        tp, rank = (1, 0) if sharding.disable_tp else (plan.parallel.tp_size, plan.parallel.rank)
-        return tuple(p.dst[1] - p.dst[0] for p in split_pieces(sharding, tp, rank))
-    return (plan.param(f"{module}.weight").spec.local_shape[0],)
-
-
-def apply_target(state: Any, target: str) -> Any:
-    """A new state with the transforms of ``target`` applied (the input is not modified)."""
-    from .errors import ConfigError
-
+def check_target(target: str) -> None:
     if target not in TARGETS:
         raise ConfigError(f"target={target!r} is not a known output layout; use one of {TARGETS}")
+
+
+def _segment_widths(plan: Plan, module: str) -> tuple[int, ...]:
+    """Local rows of each output segment of a linear's weight (one width when unsplit)."""
+    return tuple(b - a for _, (a, b) in plan.param(f"{module}.weight").spec.local_pieces(plan.parallel))
+
+
+def apply_target(plan: Plan, tensors: Mapping[str, Any], target: str) -> dict[str, Any]:
+    """New tensors with the transforms of ``target`` applied (the input is not modified)."""
+    check_target(target)
     if target == "checkpoint":
-        return state
+        return dict(tensors)
     import torch
 
-    from . import transforms  # jax, imported only when a transform runs
-    from .execute import LoadedState
+    from . import kernels as transforms  # jax, imported only when a transform runs
 
-    plan, out = state.plan, dict(state)
+    out = dict(tensors)
     fnuz = target == "rocm-fp8"
     for module, scheme in plan.schemes.items():
         if scheme.format != "fp8":
@@ -68,8 +69,19 @@ def apply_target(state: Any, target: str) -> Any:
         if scheme.strategy in ("tensor", "channel"):
             weight = transforms.transpose(weight)
         out[weight_name], out[scale_name] = to_torch(weight), scale
-    if fnuz:
-        for name in list(out):
-            if name.endswith((".attn.k_scale", ".attn.v_scale")):
-                out[name] = out[name] * 2
-    return LoadedState(out, plan, target, state.stats)
+    for name in [n for n in out if n.endswith(".attn.k_scale") and n[: -len("k_scale")] + "v_scale" in out]:
+        k_name, v_name = name, name[: -len("k_scale")] + "v_scale"
+        k, v = _kv_scales(out[k_name], out[v_name])
+        out[k_name], out[v_name] = (k * 2, v * 2) if fnuz else (k, v)
+    return out
+
+
+def _kv_scales(k: Any, v: Any) -> tuple[Any, Any]:
+    """vLLM's ``BaseKVCacheMethod.process_weights_after_loading``: both present (positive) stay;
+    neither (vLLM's -1.0) becomes 1.0; one alone serves both."""
+    if bool((k > 0).all()) and bool((v > 0).all()):
+        return k, v
+    if bool((k < 0).all()) and bool((v < 0).all()):
+        return k.new_ones(k.shape), v.new_ones(v.shape)
+    both = k.maximum(v)
+    return both.clone(), both.clone()

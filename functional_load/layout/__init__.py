@@ -1,0 +1,2 @@
+"""2. What a rank holds: slice descriptors with behaviour, parallel settings, quantized-linear
+manifests, and :func:`.build.build_layout`."""

@@ -1,0 +1,110 @@
+"""One module of a spec, instantiated: the parameters it has on every rank, with their descriptors.
+
+Linear modules (``column``, ``merged``, ``qkv``, ``row``, ``replicated_linear``) get their weight
+and bias, or their quantization scheme's manifest; the other kinds (``vocab``, ``replicated``,
+``experts``, ``kv_cache``) their own parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from ..errors import ConfigError
+from ..model.expressions import Scope, evaluate
+from ..model.mapping import MappingTable
+from ..model.quant import QuantConfig, QuantScheme
+from ..model.spec import ModuleSpec
+from .schemes import Linear, ParamDef, quant_params
+from .segments import Segment
+from .sharding import ExpertSplit, Replicated, Sharding, Split, VocabSplit
+
+
+def _linear(module: ModuleSpec, scope: Scope) -> Linear:
+    f = module.fields
+    in_size = scope.int(f["in"], f"{module.pattern}.in")
+    kind = module.kind
+    if kind == "qkv":
+        head_dim = scope.int(f["head_dim"], f"{module.pattern}.head_dim")
+        v_head_dim = scope.int(f.get("v_head_dim", f["head_dim"]), f"{module.pattern}.v_head_dim")
+        kv_heads = scope.int(f["kv_heads"], f"{module.pattern}.kv_heads")
+        segments: tuple[Segment, ...] = (
+            Segment("q", scope.int(f["heads"], f"{module.pattern}.heads"), head_dim, label="attention heads"),
+            Segment("k", kv_heads, head_dim, replicate=True, label="KV heads"),
+            Segment("v", kv_heads, v_head_dim, replicate=True, label="KV heads"),
+        )
+    elif kind == "merged":
+        segments = tuple(
+            Segment(i, scope.int(out, f"{module.pattern}.outs[{i}]"), label="output rows")
+            for i, out in enumerate(f["outs"])
+        )
+    else:
+        out = scope.int(f["out"], f"{module.pattern}.out")
+        unit = scope.int(f.get("unit", 1), f"{module.pattern}.unit")
+        segments = (Segment(0, out, unit, label=f.get("label", "output rows")),)
+    return Linear(kind, in_size, segments, bool(f.get("disable_tp", False)))
+
+
+def _linear_params(linear: Linear, scheme: QuantScheme | None, model_dtype: str, has_bias: bool) -> list[ParamDef]:
+    """Weight (or the scheme's quantized tensors) and the unquantized bias."""
+    if linear.kind == "row":
+        weight: Sharding = Split(1, (Segment(0, linear.in_size, label="input columns"),))
+        bias: Sharding = Replicated()
+    elif linear.kind == "replicated_linear":
+        weight = bias = Replicated()
+    else:
+        weight = bias = Split(0, linear.segments, linear.disable_tp)
+    if scheme is None:
+        params = [("weight", (linear.out_size, linear.in_size), weight, model_dtype)]
+    else:
+        params = quant_params(scheme, linear, model_dtype)
+    if has_bias:
+        params.append(("bias", (linear.out_size,), bias, model_dtype))
+    return params
+
+
+def module_params(module: ModuleSpec, name: str, scope: Scope, dtype: str, quant: QuantConfig | None, layout_stages: tuple[MappingTable, ...], schemes: dict[str, QuantScheme]) -> list[ParamDef]:
+    f = module.fields
+    if module.kind == "vocab":
+        size = scope.int(f["size"], f"{module.pattern}.size")
+        dim = scope.int(f["dim"], f"{module.pattern}.dim")
+        return [("weight", (size, dim), VocabSplit(size, int(f.get("padding", 64))), dtype)]
+    if module.kind == "replicated":
+        params = []
+        for suffix, shape in f["params"].items():
+            pinned = dtype
+            if isinstance(shape, Mapping):  # {shape = [...], dtype = "float32"}
+                shape, pinned = shape["shape"], shape.get("dtype", dtype)
+            params.append((suffix, tuple(scope.int(d, f"{module.pattern}.{suffix}") for d in shape), Replicated(), pinned))
+        return params
+    if module.kind == "kv_cache":  # the quantization method's KV-cache parameters (none when unquantized)
+        kv = quant.kv_params if quant else ()
+        return [(n, shape, Replicated(), dtype if p_dtype == "model" else p_dtype) for n, shape, p_dtype, _ in kv]
+    if module.kind == "experts":
+        experts = scope.int(f["experts"], f"{module.pattern}.experts")
+        hidden = scope.int(f["in"], f"{module.pattern}.in")
+        inter = scope.int(f["intermediate"], f"{module.pattern}.intermediate")
+        if experts < 1:
+            raise ConfigError(f"{module.pattern}: {f['experts']!r} gave {experts} experts; an MoE layer needs at least one")
+        w13 = Split(0, (Segment("w1", inter, label="expert intermediate rows"), Segment("w3", inter, label="expert intermediate rows")))
+        w2 = Split(1, (Segment("w2", inter, label="expert intermediate columns"),))
+        return [
+            ("routed_experts.w13_weight", (experts, 2 * inter, hidden), ExpertSplit(experts, w13), dtype),
+            ("routed_experts.w2_weight", (experts, hidden, inter), ExpertSplit(experts, w2), dtype),
+        ]
+    linear = _linear(module, scope)
+    scheme = quant.scheme_for(name, _checkpoint_modules(name, layout_stages)) if quant else None
+    if scheme is not None:
+        schemes[name] = scheme
+    return _linear_params(linear, scheme, dtype, bool(evaluate(f.get("bias", False), scope)))
+
+
+def _checkpoint_modules(module: str, stages: tuple[MappingTable, ...]) -> list[str]:
+    """The checkpoint module names a vLLM module is loaded from, by undoing stacked rules
+    (``...qkv_proj`` <- ``q_proj``, ``k_proj``, ``v_proj``); the name itself if none apply."""
+    parts = [
+        module.replace(rule.replacement, rule.pattern, 1)
+        for table in stages
+        for rule in table.rules
+        if rule.kind == "stacked" and rule.replacement and (module + ".").find(rule.replacement + ".") >= 0
+    ]
+    return parts or [module]

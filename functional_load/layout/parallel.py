@@ -1,0 +1,98 @@
+"""Which rank of how many, and where whole MoE experts go under expert parallelism.
+
+:class:`Parallel` is an explicit, frozen value: nothing here reads the environment. The expert
+tables are vLLM's (``determine_expert_map`` / ``compute_local_expert_ids``), as pure functions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import ShardingError
+
+PLACEMENTS = ("linear", "round_robin")
+
+
+def compute_local_expert_ids(num_experts: int, ep_size: int, ep_rank: int, placement: str = "linear") -> tuple[int, ...]:
+    """The expert ids ``ep_rank`` holds (vLLM ``compute_local_expert_ids`` / ``determine_expert_map``).
+
+    ``linear``: contiguous blocks of ``E // ep``, the first ``E % ep`` ranks one more;
+    ``round_robin``: ``ep_rank, ep_rank + ep, ...``. With more ranks than experts the ranks past
+    the experts hold none (vLLM loads them with zero local experts).
+    """
+    if placement not in PLACEMENTS:
+        raise ShardingError(f"unknown expert placement {placement!r}; use one of {PLACEMENTS}")
+    if placement == "round_robin":
+        return tuple(range(ep_rank, num_experts, ep_size))
+    base, rem = divmod(num_experts, ep_size)
+    start = ep_rank * base + min(ep_rank, rem)
+    return tuple(range(start, start + base + (ep_rank < rem)))
+
+
+def local_expert_slots(
+    num_experts: int, ep_size: int, ep_rank: int, placement: str = "linear", redundant: int = 0
+) -> tuple[int, ...]:
+    """The logical expert loaded into each local slot, in slot order.
+
+    With ``redundant`` extra physical experts, physical expert ``p`` holds logical expert
+    ``p % num_experts`` (vLLM's ``phys2log``); the ``num_experts + redundant`` physical experts
+    are what expert parallelism spreads.
+    """
+    physical = num_experts + redundant
+    ids = compute_local_expert_ids(physical, ep_size, ep_rank, placement) if ep_size > 1 else tuple(range(physical))
+    return tuple(p % num_experts for p in ids)
+
+
+@dataclass(frozen=True, slots=True)
+class Parallel:
+    """Which rank of how many, and how MoE experts are spread.
+
+    With ``expert_parallel`` the experts are spread over the ``tp_size`` ranks
+    (``ep_size = tp_size``, ``ep_rank = rank``) and kept whole, while attention stays
+    tensor-parallel; ``num_redundant_experts`` extra physical experts repeat logical ones.
+    """
+
+    tp_size: int = 1
+    rank: int = 0
+    expert_parallel: bool = False
+    expert_placement: str = "linear"
+    num_redundant_experts: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tp_size, bool) or not isinstance(self.tp_size, int) or self.tp_size < 1:
+            raise ShardingError(f"tp_size must be a positive integer, got {self.tp_size!r}")
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 0 <= self.rank < self.tp_size:
+            raise ShardingError(
+                f"rank must be in [0, {self.tp_size}) for tp_size={self.tp_size}, got {self.rank!r}; ranks count from 0"
+            )
+        if not isinstance(self.expert_parallel, bool):
+            raise ShardingError(f"expert_parallel must be True or False, got {self.expert_parallel!r}")
+        if self.expert_placement not in PLACEMENTS:
+            raise ShardingError(f"expert_placement must be one of {PLACEMENTS}, got {self.expert_placement!r}")
+        redundant = self.num_redundant_experts
+        if isinstance(redundant, bool) or not isinstance(redundant, int) or redundant < 0:
+            raise ShardingError(f"num_redundant_experts must be a non-negative integer, got {redundant!r}")
+        if redundant and not self.expert_parallel:
+            raise ShardingError("num_redundant_experts needs expert_parallel=True (redundant experts are an EP feature)")
+
+    @property
+    def ep_size(self) -> int:
+        return self.tp_size if self.expert_parallel else 1
+
+    @property
+    def expert_tp(self) -> Parallel:
+        """The tensor-parallel split inside each expert: none under expert parallelism."""
+        return Parallel() if self.expert_parallel else Parallel(self.tp_size, self.rank)
+
+    def expert_slots(self, num_experts: int) -> tuple[int, ...]:
+        """The logical expert held in each local expert slot of this rank."""
+        return local_expert_slots(num_experts, self.ep_size, self.rank, self.expert_placement, self.num_redundant_experts)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "tp_size": self.tp_size,
+            "rank": self.rank,
+            "expert_parallel": self.expert_parallel,
+            "expert_placement": self.expert_placement,
+            "num_redundant_experts": self.num_redundant_experts,
+        }

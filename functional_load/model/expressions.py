@@ -1,0 +1,123 @@
+"""The safe expression language of the architecture specs.
+
+A tiny subset of Python over config keys and earlier dims: names, numbers, ``+ - * // %``,
+comparisons (``in`` too), ``and``/``or``/``not`` and ``x if c else y``. A missing config key is
+``None``, so ``"num_key_value_heads or num_attention_heads"`` is a fallback.
+"""
+
+from __future__ import annotations
+
+import ast
+import operator
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from ..errors import ConfigError
+
+_BINOPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+}
+_CMPOPS = {
+    ast.In: lambda a, b: a in (b or ()),
+    ast.NotIn: lambda a, b: a not in (b or ()),
+    ast.Eq: operator.eq,
+    ast.NotEq: operator.ne,
+    ast.Lt: operator.lt,
+    ast.LtE: operator.le,
+    ast.Gt: operator.gt,
+    ast.GtE: operator.ge,
+}
+
+
+def evaluate(expr: str | int | float | bool, lookup: Mapping[str, Any] | Any) -> Any:
+    """Evaluate a spec expression; ``lookup[name]`` gives a value or ``None`` when absent."""
+    if not isinstance(expr, str):
+        return expr
+    try:
+        tree = ast.parse(expr, mode="eval")
+    except SyntaxError as exc:
+        raise ConfigError(f"invalid spec expression {expr!r}: {exc.msg}") from None
+
+    def ev(node: ast.AST) -> Any:
+        if isinstance(node, ast.Expression):
+            return ev(node.body)
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float, bool, str)):
+            return node.value
+        if isinstance(node, ast.Name):
+            return lookup[node.id]
+        if isinstance(node, ast.BoolOp):
+            values = (ev(v) for v in node.values)
+            if isinstance(node.op, ast.Or):
+                result = None
+                for result in values:
+                    if result:
+                        return result
+                return result
+            result = True
+            for result in values:
+                if not result:
+                    return result
+            return result
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.Not, ast.USub)):
+            value = ev(node.operand)
+            return (not value) if isinstance(node.op, ast.Not) else -_number(value, node.operand)
+        if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
+            return _BINOPS[type(node.op)](_number(ev(node.left), node.left), _number(ev(node.right), node.right))
+        if isinstance(node, ast.Compare) and len(node.ops) == 1 and type(node.ops[0]) in _CMPOPS:
+            return _CMPOPS[type(node.ops[0])](ev(node.left), ev(node.comparators[0]))
+        if isinstance(node, ast.IfExp):
+            return ev(node.body) if ev(node.test) else ev(node.orelse)
+        raise ConfigError(f"unsupported construct {ast.dump(node)[:60]} in spec expression {expr!r}")
+
+    def _number(value: Any, node: ast.AST) -> Any:
+        if value is None:
+            raise ConfigError(f"config.json has no {ast.unparse(node)!r}, needed by spec expression {expr!r}")
+        return value
+
+    try:
+        return ev(tree)
+    except (TypeError, ZeroDivisionError, OverflowError) as exc:  # config values of the wrong type, or 0
+        raise ConfigError(f"spec expression {expr!r} fails on the values in config.json: {exc}") from None
+
+
+class Scope(Mapping[str, Any]):
+    """Name lookup for spec expressions: ``layer``, then dims (evaluated lazily), then config keys."""
+
+    def __init__(self, config: Mapping[str, Any], dims: Mapping[str, str], layer: int | None = None):
+        self._config, self._dims, self._layer = config, dims, layer
+        self._cache: dict[str, Any] = {}
+        self._busy: set[str] = set()
+
+    def with_layer(self, layer: int) -> Scope:
+        scope = Scope(self._config, self._dims, layer)
+        scope._cache = self._cache
+        return scope
+
+    def __getitem__(self, name: str) -> Any:
+        if name == "layer":
+            return self._layer
+        if name in self._dims and name not in self._busy:  # inside its own expression a dim means the config key
+            if name not in self._cache:
+                self._busy.add(name)
+                try:
+                    self._cache[name] = evaluate(self._dims[name], self)
+                finally:
+                    self._busy.discard(name)
+            return self._cache[name]
+        return self._config.get(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._dims)
+
+    def __len__(self) -> int:
+        return len(self._dims)
+
+    def int(self, expr: Any, what: str) -> int:
+        value = evaluate(expr, self)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"{what} = {expr!r} evaluated to {value!r}; expected a non-negative integer from config.json")
+        return value

@@ -1,0 +1,164 @@
+"""The load plan: which bytes of which checkpoint tensor land in which slice of which parameter.
+
+A :class:`Plan` is a plain, validated value (made by :func:`.make.make_plan`) that prints,
+diffs and serialises to JSON. :func:`functional_load.io.execute` is the only thing that turns
+it into bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from ..checkpoint import TensorInfo
+from ..dtypes import itemsize, torch_itemsize
+from ..layout.build import ParamSpec
+from ..layout.parallel import Parallel
+from ..layout.segments import Box, box_volume, full_box
+from ..model.quant import QuantScheme
+
+
+@dataclass(frozen=True, slots=True)
+class Copy:
+    """Read box ``src`` of checkpoint tensor ``tensor`` (in its stored orientation) into box
+    ``dst`` of the rank-local parameter, transposing a 2-D block when ``transpose``."""
+
+    tensor: str
+    src: Box
+    dst: Box
+    transpose: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ParamPlan:
+    """How one parameter of one rank is filled: copies, plus boxes that are zero (vocab padding),
+    or a default value when the checkpoint does not have it."""
+
+    spec: ParamSpec
+    copies: tuple[Copy, ...]
+    zeros: tuple[Box, ...] = ()
+    fill: float | None = None  # the whole parameter takes this value (a default, e.g. KV scale 1.0)
+    checks: tuple[Copy, ...] = ()  # read and compared with what the copies wrote (Shared tensors)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A validated per-rank load plan. ``execute`` is the only thing that turns it into bytes."""
+
+    model_dir: str
+    arch: str
+    parallel: Parallel
+    dtype: str
+    params: tuple[ParamPlan, ...]
+    tensors: Mapping[str, TensorInfo]  # the checkpoint tensors this plan reads
+    aliases: Mapping[str, str] = field(default_factory=dict)  # tied alias -> canonical parameter
+    dropped: tuple[tuple[str, str], ...] = ()  # (checkpoint tensor, why it is not loaded)
+    schemes: Mapping[str, QuantScheme] = field(default_factory=dict)  # quantized module -> scheme
+    checksums: Mapping[Path, str] = field(default_factory=dict)  # file -> SHA-256 where recorded (pre-sharded saves)
+    _index: Mapping[str, ParamPlan] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tensors", MappingProxyType(dict(self.tensors)))
+        object.__setattr__(self, "aliases", MappingProxyType(dict(self.aliases)))
+        object.__setattr__(self, "schemes", MappingProxyType(dict(self.schemes)))
+        object.__setattr__(self, "checksums", MappingProxyType(dict(self.checksums)))
+        object.__setattr__(self, "_index", MappingProxyType({p.spec.name: p for p in self.params}))
+
+    def param(self, name: str) -> ParamPlan:
+        """The plan of one parameter, by name (KeyError if the rank has no such parameter)."""
+        return self._index[name]
+
+    def copy_bytes(self, copy: Copy) -> int:
+        """Bytes of checkpoint data one copy reads."""
+        info = self.tensors[copy.tensor]
+        return box_volume(copy.src) * itemsize(info.dtype)
+
+    @property
+    def bytes_to_read(self) -> int:
+        """Exact bytes of tensor data this rank reads from the checkpoint."""
+        return sum(self.copy_bytes(c) for p in self.params for c in p.copies + p.checks)
+
+    @property
+    def output_bytes(self) -> int:
+        return sum(box_volume(full_box(p.spec.local_shape)) * torch_itemsize(p.spec.dtype) for p in self.params)
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-serialisable description of the plan."""
+
+        def box(b: Box) -> list[list[int]]:
+            return [list(r) for r in b]
+
+        return {
+            "model_dir": self.model_dir,
+            "arch": self.arch,
+            **self.parallel.to_json(),
+            "dtype": self.dtype,
+            "bytes_to_read": self.bytes_to_read,
+            "output_bytes": self.output_bytes,
+            "params": [
+                {
+                    "name": p.spec.name,
+                    "local_shape": list(p.spec.local_shape),
+                    "global_shape": list(p.spec.shape),
+                    "dtype": p.spec.dtype,
+                    "sharding": p.spec.sharding.to_json(),
+                    "copies": [
+                        {
+                            "tensor": c.tensor,
+                            "file": self.tensors[c.tensor].file.name,
+                            "src": box(c.src),
+                            "dst": box(c.dst),
+                            "transpose": c.transpose,
+                            "bytes": self.copy_bytes(c),
+                        }
+                        for c in p.copies
+                    ],
+                    "zeros": [box(z) for z in p.zeros],
+                    "fill": p.fill,
+                }
+                for p in self.params
+            ],
+            "aliases": dict(self.aliases),
+            "schemes": {m: {k: getattr(q, k) for k in q.__slots__} for m, q in self.schemes.items()},
+            "checksums": {str(f): h for f, h in self.checksums.items()},
+            "dropped": [{"tensor": t, "reason": r} for t, r in self.dropped],
+        }
+
+    def table(self) -> str:
+        """A readable per-rank table: parameter, local shape, source tensors and slices, bytes."""
+        rows = [("parameter", "local shape", "source (file)", "src slice -> dst slice", "bytes")]
+        for p in self.params:
+            for i, c in enumerate(p.copies):
+                rows.append(
+                    (
+                        p.spec.name if i == 0 else "",
+                        _shape(p.spec.local_shape) if i == 0 else "",
+                        f"{c.tensor} ({self.tensors[c.tensor].file.name})",
+                        f"{_slices(c.src)}{'ᵀ' if c.transpose else ''} -> {_slices(c.dst)}",
+                        f"{self.copy_bytes(c):,}",
+                    )
+                )
+            for z in p.zeros:
+                rows.append(("", "", "(zero padding)", f"-> {_slices(z)}", "0"))
+            if p.fill is not None:
+                rows.append((p.spec.name, _shape(p.spec.local_shape), f"(default {p.fill})", "", "0"))
+        for alias, target in self.aliases.items():
+            rows.append((alias, "", f"(same tensor as {target})", "", "0"))
+        widths = [max(len(r[i]) for r in rows) for i in range(5)]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        lines.append(
+            f"rank {self.parallel.rank}/{self.parallel.tp_size}: {len(self.params)} parameters, "
+            f"{self.bytes_to_read:,} bytes to read, {self.output_bytes:,} bytes out, {len(self.dropped)} tensors dropped"
+        )
+        return "\n".join(lines)
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    return "[" + ", ".join(map(str, shape)) + "]"
+
+
+def _slices(box: Box) -> str:
+    return "[" + ", ".join(f"{a}:{b}" for a, b in box) + "]"
