@@ -5,7 +5,7 @@ For each operation and shape: the median wall time of ``--runs`` calls after ``-
 ``block_until_ready``), side by side, with torch / JAX time ratios (> 1: JAX is faster) and
 whether both produce the same bits.
 
-Operations (the conventions of ``transforms``' docstring, i.e. vLLM's):
+Operations (the conventions of ``functional_load.transform.kernels``' docstring, i.e. vLLM's):
 
 * ``requant``: per-tensor FP8 weight with one scale per logical shard -> one max scale
   (``requantize_with_max_scale``; torch does it as vLLM's ``requantize_with_max_scale``:
