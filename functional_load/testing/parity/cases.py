@@ -16,6 +16,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from ..checkpoints import write_checkpoint
+
 FIXTURES = Path(__file__).resolve().parents[3] / "tests" / "fixtures" / "quant"
 
 
@@ -80,8 +82,6 @@ class Case:
             return FIXTURES / self.fixture
         out = root / self.name
         if not (out / "config.json").exists():
-            from ..checkpoints import write_checkpoint
-
             assert self.arch is not None
             write_checkpoint(self.arch, out, **dict(self.build))
         return out

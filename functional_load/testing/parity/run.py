@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import functional_load as fl
+
 from .cases import Case, Options
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -71,7 +73,8 @@ def run_vllm(python: Path, jobs: list[dict[str, Any]], out: Path, workers: int =
         spec = out / f"jobs-{i}.json"
         spec.write_text(json.dumps(batch, indent=1))
         log = open(out / f"vllm-{i}.log", "w")
-        procs.append((subprocess.Popen([str(python), str(WORKER), str(spec), str(out)], stdout=log, stderr=subprocess.STDOUT, env=env), log, i))
+        proc = subprocess.Popen([str(python), str(WORKER), str(spec), str(out)], stdout=log, stderr=subprocess.STDOUT, env=env)
+        procs.append((proc, log, i))
     deadline = time.monotonic() + timeout
     failed = []
     for proc, log, i in procs:
@@ -108,6 +111,7 @@ def compare_state(ours: Mapping[str, Any], theirs: Mapping[str, Any], aliases: M
                 continue
             other = theirs.get(aliases[name])
         if mine is None:
+            assert other is not None
             problems.append(f"{name}: only vLLM has it, {other.dtype} {list(other.shape)}")
         elif other is None:
             problems.append(f"{name}: only functional_load has it, {mine.dtype} {list(mine.shape)}")
@@ -120,8 +124,6 @@ def compare_state(ours: Mapping[str, Any], theirs: Mapping[str, Any], aliases: M
 
 
 def _ours(model: Path, tp: int, rank: int, options: Options, plan_only: bool) -> Any:
-    import functional_load as fl
-
     kwargs = {"tp_size": tp, "rank": rank, **options.ours()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a placement fallback warns; the rows say what was served
@@ -137,15 +139,14 @@ def _short(message: str, limit: int = 160) -> str:
 
 def compare_job(case: Case, tp: int, options: Options, model: Path, result: Mapping[str, Any], out: Path) -> list[Row]:
     """The rows of one (case, tp, options) job."""
-    import functional_load as fl
     from safetensors.torch import load_file
 
     rows = []
-    row = lambda rank, outcome, detail="", listed=(): Row(case.name, tp, rank, options.label, outcome, detail, tuple(listed))  # noqa: E731
+    row = lambda rank, outcome, detail="", listed=(): Row(case.name, tp, rank, options.label, outcome, detail, tuple(listed))
     refused = result.get("refused")
     ranks = result.get("ranks", {})
     for rank in range(tp) if refused is None else [None]:
-        vllm = ranks.get(str(rank), {}) if rank is not None else {"status": "refused", "error": refused}
+        vllm: dict[str, Any] = ranks.get(str(rank), {}) if rank is not None else {"status": "refused", "error": refused}
         check_ranks = [rank] if rank is not None else list(range(tp))
         errors = []  # functional_load must refuse on every rank vLLM refuses, before reading
         for r in check_ranks:
@@ -170,14 +171,16 @@ def compare_job(case: Case, tp: int, options: Options, model: Path, result: Mapp
             outcome = WE_REFUSE if case.we_refuse else DIFFERENT
             rows.append(row(rank, outcome, f"{case.we_refuse or 'vLLM loads'}; ours {ours_error}"))
             continue
+        assert rank is not None
         ours = _ours(model, tp, rank, options, plan_only=False)
-        theirs = load_file(str(out / job_id(case, tp, options) / f"rank{rank}.safetensors"))
-        problems, listed = compare_state(ours, theirs, vllm.get("aliases", {}))
+        saved = load_file(str(out / job_id(case, tp, options) / f"rank{rank}.safetensors"))
+        problems, listed = compare_state(ours, saved, vllm.get("aliases", {}))
         placement = _placement_problem(ours, vllm.get("experts", {}))
         if placement:
             problems.append(placement)
         if problems:
-            rows.append(row(rank, DIFFERENT, f"{len(problems)} problems: " + "; ".join(problems[:4]) + (" ..." if len(problems) > 4 else "")))
+            more = " ..." if len(problems) > 4 else ""
+            rows.append(row(rank, DIFFERENT, f"{len(problems)} problems: " + "; ".join(problems[:4]) + more))
         else:
             rows.append(row(rank, IDENTICAL, "", listed))
     return rows

@@ -105,9 +105,9 @@ def _fill(model: Any, byte: int) -> None:
                 param.data.view(-1).view(torch.uint8).fill_(byte)
 
 
-def _build_and_load(cfg: Any, rank: int, tp: int, byte: int) -> tuple[Any, dict[str, Any]]:
-    """vLLM's model for ``rank`` of ``tp``, every parameter filled with ``byte``, then loaded
-    by vLLM's own loader; also the parameters' values as vLLM created them."""
+def _build_and_load(cfg: Any, rank: int, tp: int, byte: int | None) -> tuple[Any, dict[str, Any]]:
+    """vLLM's model for ``rank`` of ``tp``, every parameter filled with ``byte`` (or left as
+    created), then loaded by vLLM's own loader; also the parameters' values as vLLM created them."""
     import torch
     import vllm.distributed.parallel_state as ps
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
@@ -122,24 +122,49 @@ def _build_and_load(cfg: Any, rank: int, tp: int, byte: int) -> tuple[Any, dict[
         with set_default_torch_dtype(cfg.model_config.dtype), torch.device("cpu"):
             model = initialize_model(vllm_config=cfg, model_config=cfg.model_config)
         created = {name: p.detach().clone() for name, p in model.named_parameters(remove_duplicate=False)}
-        _fill(model, byte)
+        if byte is not None:
+            _fill(model, byte)
         loader.load_weights(model, cfg.model_config)
     finally:
         ps._TP = real
     return model, created
 
 
-def _all_bytes(tensor: Any, byte: int) -> bool:
+def _load_rank(cfg: Any, rank: int, tp: int) -> dict[str, Any]:
+    """One rank as vLLM loads it, found with two loads of the rank.
+
+    The first leaves every parameter as vLLM creates it: its result is vLLM's state (some
+    loaders read a parameter's created value: compressed-tensors MoE input scales are compared
+    with their initial 1.0). The second fills every byte of every parameter with 0xFF first
+    (NaN in every float format, -1 in every integer): an element that differs between the two
+    was never written by vLLM's loader. A parameter never written at all keeps the value vLLM
+    created it with and is listed under ``initial`` (e.g. the -1.0 of an absent KV-cache
+    scale); unwritten elements of other parameters are saved as 0xFF, so a half-filled
+    parameter shows up as a difference."""
     import torch
 
-    return bool(tensor.numel()) and bool(torch.all(tensor.contiguous().view(-1).view(torch.uint8) == byte))
+    model, _ = _build_and_load(cfg, rank, tp, None)
+    result = _collect(model)
+    try:
+        filled, _ = _build_and_load(cfg, rank, tp, 0xFF)
+    except Exception:  # the fill changed what vLLM's loader decides: no element-level view
+        return {**result, "initial": [], "sentinel": False}
+    second = dict(filled.named_parameters(remove_duplicate=False))
+    initial = []
+    for name, value in result["params"].items():
+        other = second[name].detach().contiguous()
+        if not value.numel():
+            continue
+        unwritten = value.view(-1).view(torch.uint8) != other.view(-1).view(torch.uint8)
+        if bool(unwritten.all()):
+            initial.append(name)
+        elif bool(unwritten.any()):
+            result["params"][name] = other.clone()
+    return {**result, "initial": initial, "sentinel": True}
 
 
-def _load_rank(cfg: Any, rank: int, tp: int) -> dict[str, Any]:
-    """One rank as vLLM loads it. A parameter vLLM's loader never writes (still all 0xFF, and
-    still all 0xFE when loaded again over 0xFE) keeps the value vLLM created it with and is
-    listed under ``initial``; elements of other parameters never written stay 0xFF."""
-    model, created = _build_and_load(cfg, rank, tp, 0xFF)
+def _collect(model: Any) -> dict[str, Any]:
+    """The parameters (each storage once; aliases named), buffers and expert placement of a model."""
     params: dict[str, Any] = {}
     aliases: dict[str, str] = {}
     owner: dict[tuple[int, int, tuple[int, ...], str], str] = {}
@@ -150,19 +175,9 @@ def _load_rank(cfg: Any, rank: int, tp: int) -> dict[str, Any]:
             continue
         owner.setdefault(key, name)
         params[name] = param.detach().clone().contiguous()
-    initial = []
-    suspects = [name for name, t in params.items() if _all_bytes(t, 0xFF)]
-    if suspects:
-        again, _ = _build_and_load(cfg, rank, tp, 0xFE)
-        second = dict(again.named_parameters(remove_duplicate=False))
-        for name in suspects:
-            if _all_bytes(second[name].detach(), 0xFE):
-                params[name] = created[name].contiguous()
-                initial.append(name)
     return {
         "params": params,
         "aliases": aliases,
-        "initial": initial,
         "buffers": sorted(name for name, _ in model.named_buffers(remove_duplicate=False)),
         "experts": _placements(model),
     }
@@ -188,14 +203,16 @@ def _placements(model: Any) -> dict[str, Any]:
 
 
 def _kernels_available() -> None:
-    """Let vLLM pick its CPU kernels for FP8 block layers on CPUs without AMX tiles: only the
-    layers' weights are created and loaded here, no kernel ever runs."""
+    """Let vLLM pick its CPU kernels for layers this CPU has none for (FP8 block layers need AMX
+    tiles; int4 MoE experts an Arm CPU): only the layers' weights are created and loaded here,
+    no kernel ever runs, and the loaded layout does not depend on the kernel."""
     import torch
-
     import vllm._custom_ops as ops
+    from vllm.model_executor.layers.fused_moe.experts.cpu_int4_moe import CPUExpertsInt4
 
     torch.cpu._is_amx_tile_supported = lambda: True
     ops._supports_cpu_fp8_w8a16 = True
+    CPUExpertsInt4.is_supported_config = classmethod(lambda cls, *args, **kwargs: (True, None))
 
 
 def run(jobs: list[dict[str, Any]], out_dir: Path) -> None:
