@@ -72,10 +72,6 @@ class QuantScheme:
     def pack_factor(self) -> int:
         return 32 // self.bits
 
-    @property
-    def pack_factor(self) -> int:
-        return 32 // self.bits
-
 
 # vLLM's KV-cache scale names (``QuantizationConfig.get_cache_scale_mapper`` + Fp8/Quark output scales).
 CACHE_SCALES = MappingTable.from_dicts(
@@ -195,10 +191,36 @@ def _int(value: Any, what: str) -> int:
     return value
 
 
+def _names(value: Any, what: str) -> tuple[str, ...]:
+    """A list of module names or ``re:`` regexes (an ignore list, compressed-tensors targets),
+    checked here so that matching them against module names cannot fail later."""
+    if not value:
+        return ()
+    if isinstance(value, (str, Mapping)) or not isinstance(value, Sequence):
+        raise ConfigError(
+            f"config.json quantization_config {what} must be a list of module names or 're:' regexes, found "
+            f"{type(value).__name__} {value!r:.60}; write it as a list, e.g. [\"lm_head\"]"
+        )
+    for name in value:
+        if not isinstance(name, str):
+            raise ConfigError(
+                f"config.json quantization_config {what} must hold module names or 're:' regexes (strings), found "
+                f"{type(name).__name__} {name!r:.60}; remove it or quote the module name"
+            )
+        if name.startswith("re:"):
+            try:
+                re.compile(name[3:])
+            except re.error as exc:
+                raise ConfigError(
+                    f"config.json quantization_config {what} has an invalid regex {name!r:.60} ({exc}); fix the pattern after 're:'"
+                ) from None
+    return tuple(value)
+
+
 def _ignore(qc: Mapping[str, Any]) -> tuple[str, ...]:
     names: list[str] = []
     for key in ("ignore", "ignored_layers", "modules_to_not_convert", "exclude"):
-        names += list(qc.get(key) or [])
+        names += _names(qc.get(key), key)
     return tuple(names)
 
 
@@ -225,7 +247,8 @@ def _fp8(qc: Mapping[str, Any]) -> QuantConfig:
             )
         # vLLM keeps block scales float32, e8m0 (scale_fmt "ue8m0") ones included: powers of two, cast exactly.
         default = QuantScheme(
-            "fp8", strategy="block", block=(_int(block[0], "weight_block_size[0]"), _int(block[1], "weight_block_size[1]")), scale_name="weight_scale_inv", block_rule="fp8"
+            "fp8", strategy="block", block=(_int(block[0], "weight_block_size[0]"), _int(block[1], "weight_block_size[1]")),
+            scale_name="weight_scale_inv", block_rule="fp8",
         )
     else:
         default = QuantScheme("fp8", strategy="tensor", static_input=scheme == "static")
@@ -234,18 +257,19 @@ def _fp8(qc: Mapping[str, Any]) -> QuantConfig:
 
 def _ct_scheme(group: Mapping[str, Any], fmt: str) -> QuantScheme:
     weights = group.get("weights") or {}
-    acts = group.get("input_activations")
+    acts = group.get("input_activations") or {}
     bits = _int(weights.get("num_bits", 8), "weights.num_bits")
     kind = weights.get("type", "int")
     strategy = str(weights.get("strategy", "tensor")).lower()
-    static_input = bool(acts) and not acts.get("dynamic", True) and acts.get("strategy", "tensor") == "tensor"
+    static_input = not acts.get("dynamic", True) and acts.get("strategy", "tensor") == "tensor"
     if kind == "float":
         if bits != 8:
             raise ConfigError(f"compressed-tensors float weights of {bits} bits are not supported (FP8 only)")
         block = tuple(_int(b, "weights.block_structure") for b in weights["block_structure"]) if strategy == "block" else None
         return QuantScheme("fp8", strategy=strategy, block=block, static_input=static_input)  # type: ignore[arg-type]
     if fmt == "pack-quantized":
-        group_size = _int(weights.get("group_size") or -1, "weights.group_size")
+        raw_group = weights.get("group_size")
+        group_size = -1 if raw_group is None else _int(raw_group, "weights.group_size")
         return QuantScheme(
             "pack", bits=bits, strategy=strategy, group_size=group_size, symmetric=bool(weights.get("symmetric", True)),
             act_order=weights.get("actorder") == "group",
@@ -263,7 +287,7 @@ def _compressed_tensors(qc: Mapping[str, Any]) -> QuantConfig:
     default = None
     for name, group in (qc.get("config_groups") or {}).items():
         scheme = _ct_scheme(group, str(group.get("format") or fmt).lower())
-        for target in group.get("targets", []):
+        for target in _names(group.get("targets"), f"config_groups.{name}.targets"):
             if target == "Linear":
                 default = scheme
             else:
@@ -317,19 +341,19 @@ def _awq(qc: Mapping[str, Any]) -> QuantConfig:
 def _quark(qc: Mapping[str, Any]) -> QuantConfig:
     """AMD Quark's own config: FP8 (e4m3) weights per tensor or per channel, optional static inputs."""
     glob = qc.get("global_quant_config") or {}
-    weight, inputs = glob.get("weight") or {}, glob.get("input_tensors")
+    weight, inputs = glob.get("weight") or {}, glob.get("input_tensors") or {}
     # Per-layer entries may only add output (KV-cache) quantization to the global scheme.
     layers = {**(qc.get("layer_quant_config") or {}), **(qc.get("layer_type_quant_config") or {})}
-    differing = sorted(k for k, v in layers.items() if v.get("weight") != weight or v.get("input_tensors") != inputs)
+    differing = sorted(k for k, v in layers.items() if v.get("weight") != weight or (v.get("input_tensors") or {}) != inputs)
     if weight.get("dtype") != "fp8_e4m3" or differing:
         raise ConfigError(
             f"config.json: Quark quantization with weight dtype {weight.get('dtype')!r} and per-layer schemes "
             f"{differing} is not supported; only one global FP8 (fp8_e4m3) scheme is"
         )
-    strategy = {"per_tensor": "tensor", "per_channel": "channel"}.get(weight.get("qscheme"))
+    strategy = {"per_tensor": "tensor", "per_channel": "channel"}.get(str(weight.get("qscheme")))
     if strategy is None:
         raise ConfigError(f"config.json: Quark FP8 qscheme {weight.get('qscheme')!r} is not supported (per_tensor, per_channel)")
-    static = bool(inputs) and not inputs.get("is_dynamic", True) and inputs.get("qscheme") == "per_tensor"
+    static = not inputs.get("is_dynamic", True) and inputs.get("qscheme") == "per_tensor"
     scheme = QuantScheme("fp8", strategy=strategy, static_input=static)
     return QuantConfig("quark", scheme, _ignore(qc), kv_params=BASE_KV, mapping=(CACHE_SCALES,))
 
