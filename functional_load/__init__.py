@@ -31,6 +31,7 @@ from .transform.dequant import dequantize as dequantize
 from .vllm_target import VLLM_VERSION as VLLM_VERSION
 
 __all__ = [
+    "VLLM_VERSION",
     "CheckpointError",
     "ConfigError",
     "Layout",
@@ -46,7 +47,6 @@ __all__ = [
     "Segment",
     "ShardingError",
     "Split",
-    "VLLM_VERSION",
     "VocabSplit",
     "dequantize",
     "layout",

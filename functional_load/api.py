@@ -19,7 +19,7 @@ from .checkpoint.index import index_checkpoint
 from .checkpoint.sharded import read_manifest, sharded_checkpoint
 from .dtypes import TORCH_TO_SAFETENSORS
 from .errors import ConfigError, LoadError
-from .io import ReadOptions, Reader, execute, reader_for
+from .io import Reader, ReadOptions, execute, reader_for
 from .layout.build import Layout, build_layout
 from .layout.parallel import Parallel
 from .model.config import declared_dtype, model_directory, model_dtype, read_config
@@ -32,10 +32,12 @@ from .plan import Plan, make_plan
 from .transform.online import is_online_weight, quantize_online
 from .transform.targets import apply_target, check_target
 
-Model = str | os.PathLike[str]
+Model = str | Path | os.PathLike[str]
 
 
-def _layout(config: Mapping[str, Any], parallel: Parallel, dtype: str, quantization: str | None, spec: ArchSpec | None, stored: bool = False) -> Layout:
+def _layout(
+    config: Mapping[str, Any], parallel: Parallel, dtype: str, quantization: str | None, spec: ArchSpec | None, stored: bool = False
+) -> Layout:
     """The layout of one rank: the spec from the config (unless given), and the checkpoint's
     quantization config or the online one asked for (``stored``: already quantized, in a save)."""
     arch = spec or spec_for_config(config)
@@ -60,8 +62,9 @@ def layout(
     model's, with no weights at hand). Only the config (and, when it names no dtype, the weight
     files' headers) is read."""
     parallel = Parallel(tp_size, rank, expert_parallel, expert_placement, num_redundant_experts)
+    weights: tuple[str, ...] = ()
     if isinstance(model, Mapping):
-        config, weights = dict(model), ()
+        config = dict(model)
     else:
         config = read_config(model)
         weights = weight_dtypes(model_directory(model), config)

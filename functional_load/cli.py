@@ -14,17 +14,17 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from .api import load, plan, weight_dtypes
+from .checkpoint.discover import discover
+from .checkpoint.index import index_checkpoint
+from .checkpoint.sharded import read_manifest, sharded_checkpoint
 from .errors import LoadError, ShardingError
+from .model.config import model_directory, model_dtype, read_config
+from .model.spec import spec_for_config
+from .verify import verify_ranks
 
 
 def _inspect(args: argparse.Namespace) -> None:
-    from .api import weight_dtypes
-    from .checkpoint.discover import discover
-    from .checkpoint.index import index_checkpoint
-    from .checkpoint.sharded import read_manifest, sharded_checkpoint
-    from .model.config import model_directory, model_dtype, read_config
-    from .model.spec import spec_for_config
-
     directory = model_directory(args.model_dir)
     config = read_config(directory)
     spec = spec_for_config(config)
@@ -43,20 +43,16 @@ def _inspect(args: argparse.Namespace) -> None:
               f"dtype {dtype}, format {checkpoint.load_format}")
         print(f"{len(checkpoint.files)} files, {len(checkpoint.tensors)} tensors, {checkpoint.total_bytes:,} bytes")
     for info in checkpoint.tensors.values():
-        print(f"  {info.name:60s} {info.dtype:8s} {str(list(info.shape)):16s} {info.file.name}")
+        print(f"  {info.name:60s} {info.dtype:8s} {list(info.shape)!s:16s} {info.file.name}")
 
 
 def _plan(args: argparse.Namespace) -> None:
-    from .api import plan
-
     the_plan = plan(args.model_dir, tp_size=args.tp, rank=args.rank, dtype=args.dtype, load_format=args.load_format)
     print(json.dumps(the_plan.to_json(), indent=1) if args.json else the_plan.table())
 
 
 def _load(args: argparse.Namespace) -> None:
     from safetensors.torch import save_file
-
-    from .api import load
 
     start = time.perf_counter()
     state = load(args.model_dir, tp_size=args.tp, rank=args.rank, dtype=args.dtype, load_format=args.load_format, progress=True)
@@ -73,8 +69,6 @@ def _load(args: argparse.Namespace) -> None:
 
 
 def _verify(args: argparse.Namespace) -> None:
-    from .verify import verify_ranks
-
     if not 0 <= args.rank < args.tp:
         raise ShardingError(f"--rank {args.rank} is not a rank of --tp {args.tp}; pick a rank in 0..{args.tp - 1}")
     report = verify_ranks(args.model_dir, tp_size=args.tp, dtype=args.dtype, load_format=args.load_format)
@@ -93,8 +87,8 @@ def _bench(args: argparse.Namespace) -> None:
     if not script.is_file():
         raise SystemExit(f"functional-load bench needs a source checkout: {script} not found")
     spec = importlib.util.spec_from_file_location("functional_load_bench_load", script)
+    assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
     spec.loader.exec_module(module)
     argv = [args.model_dir] if args.model_dir else []
     argv += ["--quick"] if args.quick else []

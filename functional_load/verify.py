@@ -14,6 +14,7 @@ from typing import Any
 
 from .api import plan as make_plan
 from .checkpoint import FileSpan, PickleEntry, SavedBoxes, TensorInfo
+from .checkpoint.pickles import safe_torch_load
 from .io import ReadOptions, execute, reader_for
 from .plan import Plan
 
@@ -66,8 +67,6 @@ def reference_tensor(info: TensorInfo) -> Any:
         with safe_open(str(location.file), framework="pt") as f:
             return f.get_tensor(info.name)
     if isinstance(location, PickleEntry):
-        from .checkpoint.pickles import safe_torch_load
-
         return safe_torch_load(location.file)[info.name]
     assert isinstance(location, SavedBoxes)
     dtype = reference_tensor(location.pieces[0].stored).dtype if location.pieces else torch.float32

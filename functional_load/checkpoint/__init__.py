@@ -16,13 +16,13 @@ from __future__ import annotations
 import math
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Mapping, Union
 
 from ..dtypes import itemsize
+from ..errors import FormatError
 
 Range = tuple[int, int]
 Box = tuple[Range, ...]
@@ -76,8 +76,6 @@ class RankFiles:
                 self._headers[file] = self._read(file)
             header = self._headers[file]
         if name not in header:
-            from ..errors import FormatError
-
             raise FormatError(f"{file}: has no tensor {name!r}, which the manifest lists")
         return header[name]
 
@@ -114,7 +112,7 @@ class SavedBoxes:
     manifest: Path
 
 
-Location = Union[FileSpan, PickleEntry, SavedBoxes]
+Location = FileSpan | PickleEntry | SavedBoxes
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,14 +6,13 @@ Pure file-name logic: nothing here reads tensor data, and nothing touches the ne
 from __future__ import annotations
 
 import glob
-import json
 import os
 import re
 import stat
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Mapping
 
 from ..errors import CheckpointError, ConfigError, FormatError, MissingFileError, SecurityError
 from ..paths import check_contained, strict_json_loads

@@ -70,6 +70,11 @@ def _parse_entry(path: Path, name: str, entry: Any, data_start: int, file_size: 
     return TensorInfo(name, dtype, tuple(shape), FileSpan(path, data_start + begin, end - begin, stamp))
 
 
+def span_offset(info: TensorInfo) -> int:
+    assert isinstance(info.location, FileSpan)
+    return info.location.offset
+
+
 def read_header(path: Path) -> dict[str, TensorInfo]:
     """Every tensor of one safetensors file, in data-offset order, validated against the file size."""
     path = Path(path)
@@ -109,7 +114,7 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
 
     data_start = 8 + n
     infos = [_parse_entry(path, name, entry, data_start, file_size, stamp) for name, entry in header.items()]
-    infos.sort(key=lambda t: (t.location.offset, t.name))
+    infos.sort(key=lambda t: (span_offset(t), t.name))
     previous: FileSpan | None = None
     previous_name = ""
     for info in infos:
@@ -123,7 +128,7 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
                 f"{span.offset - data_start + span.nbytes}] overlaps tensor {previous_name!r} data "
                 f"[{previous.offset - data_start}, {previous.offset - data_start + previous.nbytes}]"
             )
-        if previous is None and span.offset != data_start or previous is not None and span.offset != previous.offset + previous.nbytes:
+        if (previous is None and span.offset != data_start) or (previous is not None and span.offset != previous.offset + previous.nbytes):
             at = span.offset - data_start
             after = 0 if previous is None else previous.offset - data_start + previous.nbytes
             raise FormatError(

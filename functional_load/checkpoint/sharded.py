@@ -94,7 +94,7 @@ def _check_schema(path: Path, manifest: Mapping[str, Any]) -> None:
         for param, record in entry["params"].items():
             sources = record.get("sources") if isinstance(record, dict) else None
             need(isinstance(sources, list), f"ranks[{rank!r}].params[{param!r}].sources", sources)
-            for source in sources:
+            for source in sources or ():
                 ok = (
                     isinstance(source, dict)
                     and source.get("tensor") in manifest["tensors"]

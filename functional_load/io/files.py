@@ -204,7 +204,7 @@ class PreadReader:
             self._read_direct(fd, info, offsets, run, out)
         elif len(offsets) > 1 and (
             span <= self._max_over_read * run * len(offsets)
-            or self._adaptive and len(offsets) >= 64 and not _resident(fd, base + int(offsets[len(offsets) // 2]))
+            or (self._adaptive and len(offsets) >= 64 and not _resident(fd, base + int(offsets[len(offsets) // 2])))
         ):
             self._read_span(self._spans.fd(info), info, offsets, run, out)
         else:
@@ -226,7 +226,7 @@ class PreadReader:
         for first in range(0, len(offsets), rows_per_chunk):
             rows = min(rows_per_chunk, len(offsets) - first)
             length = (rows - 1) * stride + run
-            view = memoryview(scratch)[:length]
+            view = memoryview(scratch.data)[:length]
             self._count(_pread_full(fd, view, span_of(info).offset + int(offsets[first]), info))
             strided = np.lib.stride_tricks.as_strided(scratch, shape=(rows, run), strides=(stride, 1))
             np.copyto(dest[first : first + rows], strided)

@@ -70,9 +70,9 @@ def filesystem_type(path: str | os.PathLike) -> str:
         with open("/proc/mounts") as f:
             for line in f:
                 parts = line.split()
-                if len(parts) >= 3 and (target == parts[1] or target.startswith(parts[1].rstrip("/") + "/")):
-                    if len(parts[1]) > len(best):
-                        best, kind = parts[1], parts[2]
+                under = len(parts) >= 3 and (target == parts[1] or target.startswith(parts[1].rstrip("/") + "/"))
+                if under and len(parts[1]) > len(best):
+                    best, kind = parts[1], parts[2]
     except OSError:
         pass
     return kind

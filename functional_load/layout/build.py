@@ -169,7 +169,8 @@ def build_layout(
         except ShardingError as exc:
             failed.add(module.pattern)
             where = f"{name} (and every layer like it)" if "{layer}" in module.pattern else name
-            hint = "; or load with expert_parallel=True, which keeps experts whole" if module.kind == "experts" and not parallel.expert_parallel else ""
+            experts_split = module.kind == "experts" and not parallel.expert_parallel
+            hint = "; or load with expert_parallel=True, which keeps experts whole" if experts_split else ""
             problems.append(f"{where}: {exc}{hint}")
     if problems and not report:
         raise ShardingError(problems[0])

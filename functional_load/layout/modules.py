@@ -53,6 +53,7 @@ def _linear_params(linear: Linear, scheme: QuantScheme | None, model_dtype: str,
         weight = bias = Replicated()
     else:
         weight = bias = Split(0, linear.segments, linear.disable_tp)
+    params: list[ParamDef]
     if scheme is None:
         params = [("weight", (linear.out_size, linear.in_size), weight, model_dtype)]
     else:
@@ -62,14 +63,17 @@ def _linear_params(linear: Linear, scheme: QuantScheme | None, model_dtype: str,
     return params
 
 
-def module_params(module: ModuleSpec, name: str, scope: Scope, dtype: str, quant: QuantConfig | None, layout_stages: tuple[MappingTable, ...], schemes: dict[str, QuantScheme]) -> list[ParamDef]:
+def module_params(
+    module: ModuleSpec, name: str, scope: Scope, dtype: str, quant: QuantConfig | None,
+    layout_stages: tuple[MappingTable, ...], schemes: dict[str, QuantScheme],
+) -> list[ParamDef]:
     f = module.fields
     if module.kind == "vocab":
         size = scope.int(f["size"], f"{module.pattern}.size")
         dim = scope.int(f["dim"], f"{module.pattern}.dim")
         return [("weight", (size, dim), VocabSplit(size, int(f.get("padding", 64))), dtype)]
     if module.kind == "replicated":
-        params = []
+        params: list[ParamDef] = []
         for suffix, shape in f["params"].items():
             pinned = dtype
             if isinstance(shape, Mapping):  # {shape = [...], dtype = "float32"}

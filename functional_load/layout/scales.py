@@ -35,7 +35,9 @@ class Slots(Sharding):
     def slots(self, parallel: Parallel) -> list[Slot]:
         return list(self.ids)
 
-    def part(self, shape: tuple[int, ...], shard_id: ShardId | None, expert: int | None, parallel: Parallel, found: tuple[int, ...]) -> Part:
+    def part(
+        self, shape: tuple[int, ...], shard_id: ShardId | None, expert: int | None, parallel: Parallel, found: tuple[int, ...]
+    ) -> Part:
         _no_expert(expert)
         if shard_id is not None and shard_id not in self.ids:
             raise ShardingError(f"shard id {shard_id!r} is not one of its scale slots {list(self.ids)}")
@@ -57,7 +59,9 @@ class Shared(Slots):
     def local_shape(self, shape: tuple[int, ...], parallel: Parallel) -> tuple[int, ...]:
         return shape
 
-    def part(self, shape: tuple[int, ...], shard_id: ShardId | None, expert: int | None, parallel: Parallel, found: tuple[int, ...]) -> Part:
+    def part(
+        self, shape: tuple[int, ...], shard_id: ShardId | None, expert: int | None, parallel: Parallel, found: tuple[int, ...]
+    ) -> Part:
         _no_expert(expert)
         if shard_id is not None and shard_id not in self.ids:
             raise ShardingError(f"shard id {shard_id!r} is not one of {list(self.ids)}")
@@ -87,7 +91,9 @@ class Pick(Slots):
     def slots(self, parallel: Parallel) -> list[Slot]:
         return [self.keep]
 
-    def part(self, shape: tuple[int, ...], shard_id: ShardId | None, expert: int | None, parallel: Parallel, found: tuple[int, ...]) -> Part:
+    def part(
+        self, shape: tuple[int, ...], shard_id: ShardId | None, expert: int | None, parallel: Parallel, found: tuple[int, ...]
+    ) -> Part:
         _no_expert(expert)
         if shard_id is not None and shard_id not in self.ids:
             raise ShardingError(f"shard id {shard_id!r} is not one of {list(self.ids)}")
@@ -186,7 +192,9 @@ class Blocked(Sharding):
     def slots(self, parallel: Parallel) -> list[Slot]:
         return [s.id for s in self.split.segments]
 
-    def part(self, shape: tuple[int, ...], shard_id: ShardId | None, expert: int | None, parallel: Parallel, found: tuple[int, ...]) -> Part:
+    def part(
+        self, shape: tuple[int, ...], shard_id: ShardId | None, expert: int | None, parallel: Parallel, found: tuple[int, ...]
+    ) -> Part:
         _no_expert(expert)
         split, dim = self.split, self.split.dim
         ids = split.segment_ids(shard_id)

@@ -109,11 +109,15 @@ def quant_params(scheme: QuantScheme, linear: Linear, model_dtype: str) -> list[
     pf, groups = scheme.pack_factor, groups_of(scheme, linear)
     if scheme.format == "pack":
         params = [
-            ("weight_packed", (out, inp // pf), linear.out_split(0) if linear.column else linear.in_split(1, inp // pf, "packed input columns"), "int32"),
+            (
+                "weight_packed", (out, inp // pf),
+                linear.out_split(0) if linear.column else linear.in_split(1, inp // pf, "packed input columns"), "int32",
+            ),
             ("weight_scale", (out, groups), _group_split(linear, 0, 1, groups), model_dtype),
         ]
         if not scheme.symmetric:
-            params.append(("weight_zero_point", (-(-out // pf), groups), linear.out_split(0, pf) if linear.column else linear.in_split(1, groups, "quantization groups"), "int32"))
+            zero_split = linear.out_split(0, pf) if linear.column else linear.in_split(1, groups, "quantization groups")
+            params.append(("weight_zero_point", (-(-out // pf), groups), zero_split, "int32"))
         # The checkpoint's [out, in] of each part; vLLM keeps the last part it loads.
         ids = linear.slot_ids()
         params.append(("weight_shape", (2,), Pick(ids, ids[-1]) if len(ids) > 1 else Replicated(), "int64"))
@@ -121,8 +125,10 @@ def quant_params(scheme: QuantScheme, linear: Linear, model_dtype: str) -> list[
     if scheme.format == "gptq":
         scale_groups = _group_split(linear, 1, 0, groups, replicate_in=scheme.act_order)
         params = [
-            ("qweight", (inp // pf, out), linear.out_split(1) if linear.column else linear.in_split(0, inp // pf, "packed input rows"), "int32"),
-            ("qzeros", (groups, out // pf), linear.out_split(1, pf) if linear.column else _groups(linear, 0, groups, scheme.act_order), "int32"),
+            ("qweight", (inp // pf, out), linear.out_split(1) if linear.column else linear.in_split(0, inp // pf, "packed input rows"),
+             "int32"),
+            ("qzeros", (groups, out // pf), linear.out_split(1, pf) if linear.column else _groups(linear, 0, groups, scheme.act_order),
+             "int32"),
             ("scales", (groups, out), scale_groups, model_dtype),
         ]
         if scheme.act_order:

@@ -10,7 +10,7 @@ it is built.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 from ..errors import ConfigError, ShardingError
 from ..model.mapping import ShardId
@@ -60,7 +60,11 @@ class Sharding:
     def slots(self, parallel: Parallel) -> list[Slot]:
         return [None]
 
-    def part(self, shape: tuple[int, ...], shard_id: ShardId | None, expert: int | None, parallel: Parallel, found: tuple[int, ...]) -> Part:
+    def part(
+        self, shape: tuple[int, ...], shard_id: ShardId | None, expert: int | None, parallel: Parallel, found: tuple[int, ...]
+    ) -> Part | None:
+        """What a checkpoint tensor of shape ``found`` (for ``shard_id``, or of one ``expert``)
+        gives this parameter on this rank; None when the rank needs nothing of it."""
         _no_expert(expert)
         _no_shard_id("replicated", shard_id)
         expected = _scalar(found) if shape in ((), (1,)) else shape  # a scalar, stored 0-dim or [1]
@@ -146,7 +150,9 @@ class Split(Sharding):
             raise ShardingError(f"shard id should be between 0 and {len(ids) - 1}. Got shard id {shard_id}.")
         return [shard_id]
 
-    def part(self, shape: tuple[int, ...], shard_id: ShardId | None, expert: int | None, parallel: Parallel, found: tuple[int, ...]) -> Part:
+    def part(
+        self, shape: tuple[int, ...], shard_id: ShardId | None, expert: int | None, parallel: Parallel, found: tuple[int, ...]
+    ) -> Part:
         _no_expert(expert)
         ids = self.segment_ids(shard_id)
         rows = sum(s.rows for s in self.segments if s.id in ids)
@@ -197,7 +203,9 @@ class VocabSplit(Sharding):
     def local_shape(self, shape: tuple[int, ...], parallel: Parallel) -> tuple[int, ...]:
         return (self.shard(parallel).per_partition,) + shape[1:]
 
-    def part(self, shape: tuple[int, ...], shard_id: ShardId | None, expert: int | None, parallel: Parallel, found: tuple[int, ...]) -> Part:
+    def part(
+        self, shape: tuple[int, ...], shard_id: ShardId | None, expert: int | None, parallel: Parallel, found: tuple[int, ...]
+    ) -> Part:
         _no_expert(expert)
         _no_shard_id("vocab-parallel", shard_id)
         shard = self.shard(parallel)
@@ -241,7 +249,9 @@ class ExpertSplit(Sharding):
         s, segment = slot
         return f"expert {parallel.expert_slots(self.num_experts)[s]} ({segment})"
 
-    def part(self, shape: tuple[int, ...], shard_id: ShardId | None, expert: int | None, parallel: Parallel, found: tuple[int, ...]) -> Part | None:
+    def part(
+        self, shape: tuple[int, ...], shard_id: ShardId | None, expert: int | None, parallel: Parallel, found: tuple[int, ...]
+    ) -> Part | None:
         held = parallel.expert_slots(self.num_experts)
         inner = self.inner.part(shape[1:], shard_id, None, parallel.expert_tp, found)
         if expert is not None:  # one expert's matrix; None when no local slot holds it

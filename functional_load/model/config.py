@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ MAX_CONFIG_BYTES = 16 * 1024 * 1024
 CONFIG = "config.json"
 
 
-def model_directory(model: str | Path) -> Path:
+def model_directory(model: str | os.PathLike[str]) -> Path:
     """The model directory ``model`` names: a directory, or the ``config.json`` inside one. Any
     other path is an error that says what it is and what to pass."""
     path = Path(model)
@@ -30,7 +31,7 @@ def model_directory(model: str | Path) -> Path:
     raise MissingFileError(f"{path}: model directory not found (it must be a local directory holding config.json)")
 
 
-def read_config(model: str | Path) -> dict[str, Any]:
+def read_config(model: str | os.PathLike[str]) -> dict[str, Any]:
     """The model's ``config.json`` as a dict (strict JSON: no duplicate keys, no NaN); ``model``
     is the model directory or its ``config.json``."""
     directory = model_directory(model)

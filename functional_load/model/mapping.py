@@ -16,9 +16,9 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
-from typing import Literal, Union
+from typing import Any, Literal, cast
 
-ShardId = Union[int, str]  # which part of a fused parameter a tensor fills: "q", "k", "v", 0, 1...
+ShardId = int | str  # which part of a fused parameter a tensor fills: "q", "k", "v", 0, 1...
 
 RuleKind = Literal["rename", "regex", "substr", "expert", "stacked", "prefix", "suffix"]
 RULE_KINDS: tuple[RuleKind, ...] = ("rename", "regex", "substr", "expert", "stacked", "prefix", "suffix")
@@ -127,9 +127,9 @@ class MappingTable:
         for kind in RULE_KINDS:
             for pattern, value in kinds.pop(kind, {}).items():
                 if kind in _TAGGING:
-                    new, ids = value  # type: ignore[misc]
-                    ids = tuple(ids) if isinstance(ids, (list, tuple)) else (ids,)
-                    rules.append(Rule(kind, pattern, new, ids))
+                    new, ids = cast(tuple[str, Any], value)
+                    shard_ids = tuple(ids) if isinstance(ids, (list, tuple)) else (ids,)
+                    rules.append(Rule(kind, pattern, new, shard_ids))
                 else:
                     rules.append(Rule(kind, pattern, value))  # type: ignore[arg-type]
         if kinds:
@@ -165,7 +165,7 @@ class MappingTable:
         return MappingTable(tuple(r for r in self.rules if r.replacement is not None and r.kind not in _TAGGING))
 
 
-Stages = Union[MappingTable, Iterable[MappingTable]]
+Stages = MappingTable | Iterable[MappingTable]
 
 
 def map_name(stages: Stages, name: str) -> Mapped | None:

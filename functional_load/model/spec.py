@@ -18,7 +18,6 @@ from types import MappingProxyType
 from typing import Any
 
 from ..errors import ConfigError
-from .expressions import evaluate
 from .mapping import RULE_KINDS, MappingTable, Rule
 
 if sys.version_info >= (3, 11):
@@ -135,7 +134,9 @@ def _builtin_raw() -> dict[str, tuple[dict[str, Any], str]]:
     return raw
 
 
-def _resolve(data: dict[str, Any], source: str, raw: Mapping[str, tuple[dict[str, Any], str]], seen: tuple[str, ...] = ()) -> dict[str, Any]:
+def _resolve(
+    data: dict[str, Any], source: str, raw: Mapping[str, tuple[dict[str, Any], str]], seen: tuple[str, ...] = ()
+) -> dict[str, Any]:
     """Apply ``extends``: start from the base spec; ``dims``, each module's fields and each
     mapping stage's rules (stage by stage, in order) are updated key by key (``kind = "none"``
     removes a module; a stage with ``replace = true`` replaces the base's stage instead of
@@ -205,7 +206,7 @@ def spec_for_config(config: Mapping[str, Any], specs: Mapping[str, ArchSpec] | N
         for spec in specs.values():
             if arch in spec.architectures:
                 return spec
-    if model_type in specs:
+    if isinstance(model_type, str) and model_type in specs:
         return specs[model_type]
     supported = sorted(a for s in specs.values() for a in s.architectures)
     raise ConfigError(

@@ -58,7 +58,11 @@ def global_arrays(plan_of: Callable[[int], Plan], mesh: Any, tp_axis: str, reade
             pspec = PartitionSpec(*([None] * dim + [tp_axis]))
         cache: dict[int, Any] = {}
 
-        def block(index: tuple[slice, ...], name: str = spec.name, dim: int | None = dim, size: int = local[dim] if dim is not None else 0, cache: dict[int, Any] = cache) -> Any:
+        size = local[dim] if dim is not None else 0
+
+        def block(
+            index: Any, name: str = spec.name, dim: int | None = dim, size: int = size, cache: dict[int, Any] = cache
+        ) -> Any:
             rank = local_ranks[0] if dim is None else (index[dim].start or 0) // size
             if rank not in cache:
                 plan = plan_of(rank)

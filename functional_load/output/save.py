@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Iterable, Iterator
@@ -48,6 +49,21 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: f.read(16 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def _save_file(save_file: Any, tensors: dict[str, Any], path: Path, metadata: dict[str, str]) -> None:
+    """``safetensors`` ``save_file``, whose I/O failures (disk full, ...) arrive as its own
+    ``SafetensorError``: raised again as the ``OSError`` they are, so a full disk is a LoadError."""
+    from safetensors import SafetensorError
+
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as exc:
+        found = re.search(r"I/O error: .*\(os error (\d+)\)", str(exc))
+        if found is None:
+            raise
+        code = int(found.group(1))
+        raise OSError(code, os.strerror(code), str(path)) from exc
 
 
 def _box(b: Box) -> list[list[int]]:
@@ -97,7 +113,7 @@ def _write(states: Iterator[Any], out: Path, model_dir: Path | None) -> Path:
             fills = {p.spec.name for p in plan.params if p.fill is not None}  # defaults: in the manifest only
             tensors = {n: t.contiguous() for n, t in unique.values() if n not in fills}
             _step(f"write rank {rank}")
-            save_file(tensors, str(work / name), metadata={"format": "pt", "rank": str(rank)})
+            _save_file(save_file, tensors, work / name, {"format": "pt", "rank": str(rank)})
             written.append(work / name)
             with open(work / name, "rb+") as f:
                 os.fsync(f.fileno())

@@ -19,7 +19,7 @@ class LoadedState(Mapping[str, Any]):
     """``{name: torch.Tensor}`` of one rank, read-only, with the ``plan`` that made it, the
     output ``target`` layout and the load's ``stats``."""
 
-    __slots__ = ("_tensors", "_plan", "_target", "_stats")
+    __slots__ = ("_plan", "_stats", "_target", "_tensors")
 
     def __init__(self, tensors: Mapping[str, Any], plan: Plan, target: str = "checkpoint", stats: LoadStats | None = None):
         self._tensors = dict(tensors)

@@ -7,10 +7,11 @@ it into bytes.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
 from ..checkpoint import TensorInfo
 from ..dtypes import itemsize, torch_itemsize

@@ -59,10 +59,11 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -274,7 +275,7 @@ def write_checkpoint(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     remove_weight_files(out)
-    with _quiet_transformers():
+    with quiet_transformers():
         model.save_pretrained(out, max_shard_size=max_shard_size)
     _set_config_dtype(out / "config.json", dtype_name)
 
@@ -319,7 +320,7 @@ def _set_config_dtype(config_path: Path, dtype_name: str) -> None:
     config_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
-class _quiet_transformers:
+class quiet_transformers:  # noqa: N801 (a context manager used like a function)
     """Silence transformers' shard-writing progress bar for the duration; restore it after."""
 
     def __enter__(self) -> None:

@@ -7,8 +7,8 @@ transformers 5 holds routed experts in memory as 3-D tensors but writes them bac
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import torch
 

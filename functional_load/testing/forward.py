@@ -27,8 +27,11 @@ with ``torch.distributed.all_reduce``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
+
+from .checkpoints import quiet_transformers, write_checkpoint
 
 __all__ = ["Dims", "jax_tp_forward", "torch_tp_decoder_layer"]
 
@@ -133,7 +136,7 @@ def jax_tp_forward(params: Mapping[str, Any], config: Any, mesh: Any, input_ids:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    shard_map = getattr(jax, "shard_map", None)
+    shard_map: Any = getattr(jax, "shard_map", None)
     if shard_map is None:  # older jax
         from jax.experimental.shard_map import shard_map
 
@@ -359,8 +362,6 @@ def write_unit_scale_checkpoint(arch: str, out_dir: Any, *, dtype: str = "bfloat
     import torch
     from transformers import AutoModelForCausalLM
 
-    from .checkpoints import _quiet_transformers, write_checkpoint
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if any(out.glob("*.safetensors")):
@@ -381,6 +382,6 @@ def write_unit_scale_checkpoint(arch: str, out_dir: Any, *, dtype: str = "bfloat
     torch_dtype = getattr(torch, dtype)
     model = model.to(torch_dtype)
     model.config.dtype = torch_dtype
-    with _quiet_transformers():
+    with quiet_transformers():
         model.save_pretrained(out, max_shard_size="100KB")
     return out

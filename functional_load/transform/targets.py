@@ -16,9 +16,8 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from collections.abc import Mapping
+from typing import Any
 
 from ..errors import ConfigError
 from ..plan.plan import Plan
