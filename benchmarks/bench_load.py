@@ -60,7 +60,13 @@ METHODS = [
     Method("pread-t2", "fl pread exact, 2 threads", "fl", options={"strategy": "pread", "threads": 2}),
     # auto already runs 4 threads (with cold row-parallel spans), so exact preads on 4 threads are optional.
     Method("pread-t4", "fl pread exact, 4 threads", "fl", options={"strategy": "pread", "threads": 4}, default=False),
-    Method("span-t2", "fl pread spans (max_over_read=tp), 2 threads", "fl", options={"strategy": "pread", "threads": 2, "max_over_read": "tp"}, min_tp=2),
+    Method(
+        "span-t2",
+        "fl pread spans (max_over_read=tp), 2 threads",
+        "fl",
+        options={"strategy": "pread", "threads": 2, "max_over_read": "tp"},
+        min_tp=2,
+    ),
     Method("direct-t2", "fl pread O_DIRECT, 2 threads", "fl", ("cold",), options={"strategy": "pread", "threads": 2, "direct": True}),
     Method("mmap-t1", "fl mmap, 1 thread", "fl", ("hot",), options={"strategy": "mmap", "threads": 1}, default=False),
     Method("mmap-t2", "fl mmap, 2 threads", "fl", options={"strategy": "mmap", "threads": 2}),
@@ -405,9 +411,10 @@ def run_limit_cold(job: dict) -> dict:
 
 def run_worker(job: dict) -> None:
     import numpy  # noqa: F401  (imports before the timer)
-    import torch
     import safetensors.torch  # noqa: F401
-    import functional_load  # noqa: F401
+    import torch
+
+    import functional_load
 
     kind = job["kind"]
     if job.get("nice"):
@@ -419,8 +426,8 @@ def run_worker(job: dict) -> None:
         # Imports are excluded from the timing, so do them first: the output targets and the jitted
         # kernels (and with them jax), as in every earlier run of this benchmark (a default-target
         # load no longer imports jax itself).
+        import functional_load.transform.kernels
         import functional_load.transform.targets  # noqa: F401
-        import functional_load.transform.kernels  # noqa: F401
     pre = None
     if kind in ("limit_hot", "limit_prefaulted"):
         n = job["out_bytes"]
@@ -540,9 +547,10 @@ def machine_facts(model_dir: Path) -> dict:
     for line in read("/proc/meminfo", "").splitlines():
         if line.startswith("MemTotal:"):
             mem = f"{int(line.split()[1]) / 1024 / 1024:.1f} GiB"
-    from functional_load.io.options import filesystem_type
     import safetensors
     import torch
+
+    from functional_load.io.options import filesystem_type
 
     dev = "?"
     try:
@@ -726,7 +734,8 @@ def render(model_dir: Path, args, machine: dict, results: dict, facts: dict, ckp
         "  for functional_load workers, which have imported jax).",
         "* Methods:",
         "  * functional_load: `functional_load.load(dir, tp_size, rank, read=ReadOptions(strategy=..., threads=..., ...))`;",
-        "    *auto* is the library's defaults (16 MiB chunks on 4 threads, exact preads with `FADV_RANDOM`, row-parallel slices read as sequential spans when not in the page cache);",
+        "    *auto* is the library's defaults (16 MiB chunks on 4 threads, exact preads with `FADV_RANDOM`,"
+        " row-parallel slices read as sequential spans when not in the page cache);",
         "    the other rows change one option. *spans* reads a row-parallel slice as one span per",
         "    16 MiB chunk and scatters it (`max_over_read=tp`); *O_DIRECT* bypasses the page cache.",
         "  * vLLM-style: `torch.empty` parameters at rank-local vLLM shapes (fused qkv/gate_up); per",
@@ -747,7 +756,8 @@ def render(model_dir: Path, args, machine: dict, results: dict, facts: dict, ckp
         "",
         "```",
         "python benchmarks/make_checkpoint.py            # /tmp/fl-bench/llama7b-4l, 2.15 GB",
-        f"functional-load bench /tmp/fl-bench/llama7b-4l --runs {args.runs} --tp {','.join(map(str, args.tp))} --out docs/performance.md \\",
+        f"functional-load bench /tmp/fl-bench/llama7b-4l --runs {args.runs} --tp {','.join(map(str, args.tp))}"
+        " --out docs/performance.md \\",
         "    --json /tmp/fl-bench/full.json        # raw runs; re-render later with --from-json /tmp/fl-bench/full.json",
         "```",
         "",

@@ -115,6 +115,24 @@ def cases(quick: bool) -> list[tuple[str, tuple[int, int], tuple[int, ...]]]:
     return [("qkv 4096x4096", (4096, 4096), (2048, 1024, 1024)), ("gate_up 14336x4096", (14336, 4096), (7168, 7168))]
 
 
+def operations(dense: Any, fp8: Any, scales: Any, widths: tuple[int, ...]) -> list[tuple[str, Callable[[], Any], Callable[[], Any]]]:
+    """(name, JAX call, torch call) for each operation, on the same bf16 / FP8 inputs."""
+    import jax
+    import jax.numpy as jnp
+
+    from functional_load.transform import kernels as transforms
+
+    jdense = jnp.asarray(dense.float().numpy()).astype(jnp.bfloat16)
+    jfp8 = jax.dlpack.from_dlpack(fp8)
+    jscales = jnp.asarray(scales.numpy())
+    return [
+        ("requant", lambda: transforms.requantize_with_max_scale(jfp8, jscales, widths), lambda: torch_requant(fp8, scales, widths)),
+        ("fnuz", lambda: transforms.e4m3fn_to_e4m3fnuz(jfp8), lambda: torch_fnuz(fp8)),
+        ("per-tensor", lambda: transforms.quantize_fp8_per_tensor(jdense), lambda: torch_per_tensor(dense)),
+        ("block", lambda: transforms.quantize_fp8_block(jdense), lambda: torch_block(dense)),
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small shapes (seconds)")
@@ -126,8 +144,6 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
     import torch
-
-    from functional_load.transform import kernels as transforms
 
     print(
         f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; torch {torch.__version__} "
@@ -144,16 +160,8 @@ def main() -> None:
         raw[(raw & 0x7F) == 0x7F] = 0  # no NaN codes
         fp8 = raw.view(torch.float8_e4m3fn)
         scales = (torch.rand(len(widths), generator=generator) * 1e-3 + 1e-4).float()
-        jdense, jfp8, jscales = jnp.asarray(dense.float().numpy()).astype(jnp.bfloat16), jax.dlpack.from_dlpack(fp8), jnp.asarray(scales.numpy())
-
-        ops: list[tuple[str, Callable[[], Any], Callable[[], Any]]] = [
-            ("requant", lambda: transforms.requantize_with_max_scale(jfp8, jscales, widths), lambda: torch_requant(fp8, scales, widths)),
-            ("fnuz", lambda: transforms.e4m3fn_to_e4m3fnuz(jfp8), lambda: torch_fnuz(fp8)),
-            ("per-tensor", lambda: transforms.quantize_fp8_per_tensor(jdense), lambda: torch_per_tensor(dense)),
-            ("block", lambda: transforms.quantize_fp8_block(jdense), lambda: torch_block(dense)),
-        ]
-        for name, jax_fn, torch_fn in ops:
-            jax_ms = median_ms(lambda: jax.block_until_ready(jax_fn()), runs, args.warmup)
+        for name, jax_fn, torch_fn in operations(dense, fp8, scales, widths):
+            jax_ms = median_ms(lambda fn=jax_fn: jax.block_until_ready(fn()), runs, args.warmup)
             torch_ms = median_ms(torch_fn, runs, args.warmup)
             jax_out, torch_out = jax_fn(), torch_fn()
             if isinstance(jax_out, tuple):

@@ -23,8 +23,9 @@ import subprocess
 import sys
 import tempfile
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -48,7 +49,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(test_file: str | os.PathLike[str], calls: dict[str, tuple[str, dict[str, Any]]], out: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+def spawn(
+    test_file: str | os.PathLike[str], calls: dict[str, tuple[str, dict[str, Any]]], out: Path, env: dict[str, str]
+) -> subprocess.Popen[bytes]:
     """Start one child running ``calls``; its stdout/stderr go to ``out`` + ``.log``. The child
     leads its own process group, so :func:`finish` can stop it and anything it started."""
     log = open(str(out) + ".log", "wb")
@@ -85,7 +88,9 @@ class Cases:
     already has that many devices, otherwise all in one child process (started on creation).
     ``check(case)`` re-raises a case's failure with the child's traceback."""
 
-    def __init__(self, test_file: str, module_globals: dict[str, Any], calls: dict[str, tuple[str, dict[str, Any]]], *, devices: int, timeout: float):
+    def __init__(
+        self, test_file: str, module_globals: dict[str, Any], calls: dict[str, tuple[str, dict[str, Any]]], *, devices: int, timeout: float
+    ):
         import jax
 
         self.calls = calls
@@ -129,7 +134,7 @@ def main(argv: list[str]) -> int:
         fn: Callable[..., Any] = getattr(module, func)
         try:
             results[case] = {"ok": True, "result": fn(**kwargs), "error": None}
-        except BaseException:  # noqa: BLE001 - reported to the parent
+        except BaseException:
             results[case] = {"ok": False, "result": None, "error": traceback.format_exc()}
         sys.stdout.flush()
     tmp = out.with_suffix(".tmp")

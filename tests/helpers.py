@@ -6,7 +6,7 @@ from __future__ import annotations
 import builtins
 import io
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import pytest
@@ -14,12 +14,19 @@ import torch
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8)
+    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 def assert_same_bits(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     assert a.dtype == b.dtype and a.shape == b.shape, f"{what}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"
     assert torch.equal(bits(a), bits(b)), f"{what}: values differ"
+
+
+def assert_same_state(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor], what: str = "") -> None:
+    """The same names, and every tensor the same dtype, shape and bytes."""
+    assert set(got) == set(want), f"{what}: names differ: {sorted(set(got) ^ set(want))[:5]}"
+    for name, tensor in want.items():
+        assert_same_bits(got[name], tensor, f"{what} {name}".strip())
 
 
 def unreplicate(blocks: list[torch.Tensor], kv_heads: int, tp: int, what: str) -> torch.Tensor:

@@ -22,9 +22,8 @@ import numpy as np
 import pytest
 
 from functional_load import Plan, Replicated, Split, VocabSplit, plan
-from functional_load.io import ReadOptions, Reader, reader_for
 from functional_load.dtypes import itemsize
-from functional_load.io import execute
+from functional_load.io import Reader, ReadOptions, execute, reader_for
 from functional_load.testing.checkpoints import list_tensors, write_checkpoint
 
 CASES = [  # (kv_heads, tp_size)

@@ -27,7 +27,7 @@ import pytest
 if str(Path(__file__).resolve().parent) not in sys.path:  # --import-mode=importlib
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _subprocess_runner import Cases, child_env, finish, free_port, spawn  # noqa: E402
+from _subprocess_runner import Cases, child_env, finish, free_port, spawn
 
 HERE = str(Path(__file__).resolve())
 TPS = [2, 4, 8]

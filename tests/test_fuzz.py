@@ -37,10 +37,11 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import assert_same_state
 from hypothesis import HealthCheck, given, settings
 from hypothesis import event as _event
-from hypothesis.errors import InvalidArgument
 from hypothesis import strategies as st
+from hypothesis.errors import InvalidArgument
 from safetensors.torch import load_file, save_file
 
 from functional_load import load
@@ -117,13 +118,6 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
-def assert_same_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
-    assert set(got) == set(want), f"{what}: names differ: {sorted(set(got) ^ set(want))[:5]}"
-    for name, tensor in want.items():
-        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, f"{what}: {name}"
-        assert torch.equal(as_bytes(got[name]), as_bytes(tensor)), f"{what}: {name} differs"
-
-
 @contextmanager
 def scratch() -> Iterator[Path]:
     with tempfile.TemporaryDirectory(prefix="fl-fuzz-") as d:
@@ -169,16 +163,14 @@ def copy_base(src: Path, dst: Path) -> Path:
 
 def test_watchdog_turns_a_hang_into_a_failure():
     started = time.monotonic()
-    with pytest.raises(ExampleHang):
-        with guarded(seconds=0.5):
-            time.sleep(30)
+    with pytest.raises(ExampleHang), guarded(seconds=0.5):
+        time.sleep(30)
     assert time.monotonic() - started < 5
 
 
 def test_memory_cap_turns_unbounded_allocation_into_a_failure():
-    with pytest.raises(MemoryError):
-        with guarded(extra_memory=256 << 20):
-            bytearray(4 << 30)
+    with pytest.raises(MemoryError), guarded(extra_memory=256 << 20):
+        bytearray(4 << 30)
 
 
 def test_reference_oracle_catches_a_wrong_load(bases, tmp_path):
@@ -195,7 +187,9 @@ def test_reference_oracle_catches_a_wrong_load(bases, tmp_path):
 
 # --- header mutations ----------------------------------------------------------------------------
 
-INTERESTING_BYTES = [b" ", b"\n", b"\t", b"{", b"}", b"[", b"]", b'"', b",", b":", b"0", b"1", b"-", b"9" * 20, b"\x00", b"\xff", b"\\", b"e", b"NaN"]
+INTERESTING_BYTES = [
+    b" ", b"\n", b"\t", b"{", b"}", b"[", b"]", b'"', b",", b":", b"0", b"1", b"-", b"9" * 20, b"\x00", b"\xff", b"\\", b"e", b"NaN",
+]
 DTYPES = ["BF16", "F16", "F32", "F64", "I8", "U8", "I32", "I64", "BOOL", "F8_E4M3", "F8_E5M2", "bf16", "F31", "", None, 3]
 
 
@@ -209,14 +203,20 @@ def _struct_edit(data: st.DataObject, header: dict) -> dict:
     name = data.draw(st.sampled_from(names), label="tensor")
     entry = header[name]
     op = data.draw(
-        st.sampled_from(["dtype", "shape-dim", "shape-swap", "shape-append", "offset", "rename", "delete", "duplicate-extent", "extra-field", "metadata"]),
+        st.sampled_from(
+            [
+                "dtype", "shape-dim", "shape-swap", "shape-append", "offset",
+                "rename", "delete", "duplicate-extent", "extra-field", "metadata",
+            ]
+        ),
         label="op",
     )
     if op == "dtype":
         entry["dtype"] = data.draw(st.sampled_from(DTYPES), label="dtype")
     elif op == "shape-dim" and entry["shape"]:
         i = data.draw(st.integers(0, len(entry["shape"]) - 1), label="dim")
-        entry["shape"][i] = data.draw(st.sampled_from([0, 1, entry["shape"][i] * 2, entry["shape"][i] // 2, -1, 2**63, 2**64]), label="size")
+        sizes = [0, 1, entry["shape"][i] * 2, entry["shape"][i] // 2, -1, 2**63, 2**64]
+        entry["shape"][i] = data.draw(st.sampled_from(sizes), label="size")
     elif op == "shape-swap":
         entry["shape"] = list(reversed(entry["shape"]))
     elif op == "shape-append":
@@ -225,7 +225,9 @@ def _struct_edit(data: st.DataObject, header: dict) -> dict:
         i = data.draw(st.integers(0, 1), label="which")
         entry["data_offsets"][i] += data.draw(st.sampled_from([-2, -1, 1, 2, 2**32, -(2**40)]), label="delta")
     elif op == "rename":
-        new = data.draw(st.sampled_from(["", "x", "model.norm.weight", "lm_head.weight", "a\x00b", "../../etc/passwd", "y" * 2000]), label="new name")
+        new = data.draw(
+            st.sampled_from(["", "x", "model.norm.weight", "lm_head.weight", "a\x00b", "../../etc/passwd", "y" * 2000]), label="new name"
+        )
         header[new] = header.pop(name)
     elif op == "delete":
         del header[name]
@@ -234,7 +236,9 @@ def _struct_edit(data: st.DataObject, header: dict) -> dict:
     elif op == "extra-field":
         entry[data.draw(st.sampled_from(["evil", "dtype2", ""]), label="field")] = 1
     elif op == "metadata":
-        header["__metadata__"] = data.draw(st.sampled_from([{"format": "pt"}, {"format": 1}, None, [], "pt", {"a": {"b": "c"}}]), label="meta")
+        header["__metadata__"] = data.draw(
+            st.sampled_from([{"format": "pt"}, {"format": 1}, None, [], "pt", {"a": {"b": "c"}}]), label="meta"
+        )
     return header
 
 
@@ -279,7 +283,7 @@ def check_against_reference(state: dict[str, torch.Tensor], mutated: Path, confi
     the load of what that library read, written out afresh."""
     try:
         tensors = load_file(str(mutated))
-    except Exception as exc:  # noqa: BLE001 - any rejection by the reference
+    except Exception as exc:
         pytest.fail(f"the loader accepted a file the reference safetensors library rejects ({exc})")
     ref = work / "reference"
     ref.mkdir(parents=True)
@@ -312,7 +316,11 @@ def test_header_mutations(bases, data):
         pytest.param(b'{"w": {"dtype": "U8", "shape": [2], "data_offsets": [-0, 2]}}', b"ab", id="negative-zero-offset"),
         pytest.param(b'{"w": {"dtype": "U8", "shape": [-0, 2], "data_offsets": [0, 0]}}', b"", id="negative-zero-dim"),
         pytest.param(b'{"w": {"dtype": "U8", "shape": [0, 18446744073709551616], "data_offsets": [0, 0]}}', b"", id="dim-beyond-u64"),
-        pytest.param(b'{"w": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}, "__metadata__": {"a": "b", "a": "c"}}', b"ab", id="duplicate-metadata-key"),
+        pytest.param(
+            b'{"w": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}, "__metadata__": {"a": "b", "a": "c"}}',
+            b"ab",
+            id="duplicate-metadata-key",
+        ),
         pytest.param(b'{"w": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2.0]}}', b"ab", id="float-offset"),
         pytest.param(b'{"w": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}}\x00\x00', b"ab", id="nul-padding"),
     ],
@@ -327,7 +335,7 @@ def test_no_parser_differential_on_known_edge_cases(tmp_path, header, data):
     try:
         load_file(str(path))
         reference_accepts = True
-    except Exception:  # noqa: BLE001
+    except Exception:
         reference_accepts = False
     try:
         read_header(path)
@@ -345,7 +353,10 @@ JSON_VALUES = st.recursive(
     lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=8), children, max_size=3),
     max_leaves=8,
 )
-SHARD_VALUES = ["model.safetensors", "../model-00001-of-00002.safetensors", "/etc/passwd", "", "a/b", ".", "..", "model-00001-of-00002.safetensors\x00", "config.json", INDEX]
+SHARD_VALUES = [
+    "model.safetensors", "../model-00001-of-00002.safetensors", "/etc/passwd", "", "a/b", ".", "..",
+    "model-00001-of-00002.safetensors\x00", "config.json", INDEX,
+]
 
 
 def mutate_index(data: st.DataObject, index: dict, text: str) -> str:
@@ -405,7 +416,15 @@ def test_index_mutations(bases, data):
 
 # --- config mutations ----------------------------------------------------------------------------
 
-CONFIG_VALUES = st.sampled_from([0, 1, 2, 3, 4, 7, 8, 16, 63, 64, 65, 1000, 10**6, 10**12, -1, 1.5, "8", "", None, True, False, [], {}, ["LlamaForCausalLM"], ["MistralForCausalLM"], ["Qwen2ForCausalLM"], "llama", "bfloat16", "float16", "float32", "int8"]) | JSON_VALUES
+CONFIG_VALUES = (
+    st.sampled_from(
+        [
+            0, 1, 2, 3, 4, 7, 8, 16, 63, 64, 65, 1000, 10**6, 10**12, -1, 1.5, "8", "", None, True, False, [], {},
+            ["LlamaForCausalLM"], ["MistralForCausalLM"], ["Qwen2ForCausalLM"], "llama", "bfloat16", "float16", "float32", "int8",
+        ]
+    )
+    | JSON_VALUES
+)
 OUTPUT_CHANGING = {"dtype", "torch_dtype", "tie_word_embeddings"}
 
 

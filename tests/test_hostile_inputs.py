@@ -27,21 +27,22 @@ import shutil
 import struct
 import sys
 import zipfile
-from importlib import resources
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from helpers import assert_same_state, hook_opens
 from safetensors.torch import load_file, save_file
 
 import functional_load
 from functional_load import ReadOptions, load, plan, save_sharded
 from functional_load.checkpoint import index as index_module
-from functional_load.paths import allowed_root
+from functional_load.checkpoint.sharded import MANIFEST
 from functional_load.errors import (
     CheckpointError,
     ConfigError,
@@ -53,9 +54,8 @@ from functional_load.errors import (
     SecurityError,
 )
 from functional_load.io import execute
-from functional_load.checkpoint.sharded import MANIFEST
+from functional_load.paths import allowed_root
 from functional_load.testing.checkpoints import read_checkpoint_tensors
-from helpers import hook_opens
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -180,14 +180,6 @@ def reference(bases: dict[str, Path], base: str, tp: int, rank: int) -> dict[str
     if key not in _REFERENCE:
         _REFERENCE[key] = dict(load(bases[source], tp_size=tp, rank=rank, progress=False))
     return _REFERENCE[key]
-
-
-def assert_same_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert set(got) == set(want)
-    for name, tensor in want.items():
-        other = got[name]
-        assert other.dtype == tensor.dtype and other.shape == tensor.shape, name
-        assert torch.equal(other.contiguous().view(torch.uint8), tensor.contiguous().view(torch.uint8)), name
 
 
 # --- helpers that break a copy -------------------------------------------------------------------

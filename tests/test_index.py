@@ -168,7 +168,7 @@ def test_index_decides_which_shard_and_ignores_unlisted(tmp_path):
     assert set(checkpoint.tensors) == {"w", "v", "u"}  # "extra" is not in the index
     assert checkpoint.tensors["w"].file == tmp_path / "model-2.safetensors"
     assert checkpoint.tensors["u"].file == tmp_path / "model-1.safetensors"
-    assert list(checkpoint.tensors)[0] == "u"  # file order first
+    assert next(iter(checkpoint.tensors)) == "u"  # file order first
     assert checkpoint.index_file == index
 
 

@@ -28,7 +28,7 @@ import pytest
 if str(Path(__file__).resolve().parent) not in sys.path:  # --import-mode=importlib
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _subprocess_runner import Cases, child_env, finish, free_port, spawn  # noqa: E402
+from _subprocess_runner import Cases, child_env, finish, free_port, spawn
 
 HERE = str(Path(__file__).resolve())
 TPS = [2, 4, 8]
@@ -174,6 +174,12 @@ def _layout_mesh(devices: list[Any], dp: int, tp: int) -> Any:
     return Mesh(grid, ("dp", "tp"))
 
 
+def _param_bytes(plan: Any, name: str) -> int:
+    """Bytes ``plan`` reads for parameter ``name`` (its copies and checks)."""
+    p = plan.param(name)
+    return sum(plan.copy_bytes(c) for c in p.copies + p.checks)
+
+
 def distributed_worker(process_id: int, port: int, path: str, logits_dir: str) -> dict[str, Any]:
     import jax
 
@@ -184,7 +190,7 @@ def distributed_worker(process_id: int, port: int, path: str, logits_dir: str) -
     )
     try:
         import functional_load as fl
-        from functional_load.io import ReadOptions, Reader
+        from functional_load.io import Reader, ReadOptions
         from functional_load.testing.forward import jax_tp_forward
 
         assert jax.process_count() == 2 and len(jax.devices()) == 8 and len(jax.local_devices()) == 4
@@ -199,16 +205,11 @@ def distributed_worker(process_id: int, port: int, path: str, logits_dir: str) -
                 arrays = fl.load_jax(path, mesh, reader=reader)
                 bytes_read = reader.bytes_read
             plans = {r: fl.plan(path, tp_size=tp, rank=r) for r in ranks}
-
-            def param_bytes(rank: int, name: str) -> int:
-                p = plans[rank].param(name)
-                return sum(plans[rank].copy_bytes(c) for c in p.copies + p.checks)
-
             # load_jax reads a sharded parameter once per tp rank this process holds, and a
             # replicated one once per process (all its devices get the same block).
             first = plans[ranks[0]]
-            replicated = sum(param_bytes(ranks[0], p.spec.name) for p in first.params if expected_dim(p.spec.name) is None)
-            sharded = sum(param_bytes(r, p.spec.name) for p in first.params if expected_dim(p.spec.name) is not None for r in ranks)
+            replicated = sum(_param_bytes(first, p.spec.name) for p in first.params if expected_dim(p.spec.name) is None)
+            sharded = sum(_param_bytes(plans[r], p.spec.name) for p in first.params if expected_dim(p.spec.name) is not None for r in ranks)
             states = {r: fl.load(path, tp_size=tp, rank=r, progress=False) for r in ranks}
             checked = check_shards(arrays, states, mesh, tp)
 
@@ -259,7 +260,7 @@ def test_two_process_jax_distributed_reads_half(tmp_path):
     assert not failures, "\n\n".join(failures)
 
     reference = _transformers_logits(path, np.array(results[0]["tp8"]["ids"]))
-    for name, (dp, tp) in LAYOUTS.items():
+    for name, (_dp, tp) in LAYOUTS.items():
         r0, r1 = results[0][name], results[1][name]
         assert sorted(r0["ranks"] + r1["ranks"]) == list(range(tp)), (name, r0["ranks"], r1["ranks"])
         for pid, r in enumerate((r0, r1)):

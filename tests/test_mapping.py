@@ -7,12 +7,14 @@ tests/models/test_utils.py item 6 (``get_rename_mapper``).
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from functional_load.errors import ShardingError
-from functional_load.model.mapping import ROTARY_CACHES, Mapped, MappingTable, Rule, map_name
 from functional_load.layout.segments import Segment
 from functional_load.layout.sharding import Split
+from functional_load.model.mapping import ROTARY_CACHES, Mapped, MappingTable, Rule, map_name
 
 # Llama's stacked_params_mapping as a table.
 LLAMA_STACKED = MappingTable.from_dicts(
@@ -87,7 +89,7 @@ def test_invalid_rules_raise_value_error(make, message):
 
 
 def test_invalid_regex_is_rejected_when_the_rule_is_built():
-    with pytest.raises(Exception):
+    with pytest.raises(re.error):
         Rule("regex", "(unclosed", "x")
 
 

@@ -17,22 +17,21 @@ from __future__ import annotations
 
 import json
 import re
-import warnings
 import shutil
+import warnings
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import assert_same_bits, unreplicate
 from safetensors.torch import load_file, save_file
 
 import functional_load as fl
 from functional_load import Parallel, PlanError, ShardingError
-from functional_load.io import ReadOptions, Reader
-from functional_load.io import execute
+from functional_load.io import Reader, ReadOptions, execute
 from functional_load.layout.parallel import compute_local_expert_ids, local_expert_slots
 from functional_load.testing.checkpoints import list_tensors, read_checkpoint_tensors
-from helpers import assert_same_bits, unreplicate
 
 HEADS, HEAD_DIM, HIDDEN, VOCAB, PADDED_VOCAB = 8, 8, 64, 1000, 1024
 EXPERTS, EXPERT_INTER = 8, 32

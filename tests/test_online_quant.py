@@ -43,8 +43,8 @@ CHECKPOINTS = {
 }
 
 
-from helpers import segment_rows  # noqa: E402
 from fp8_reference import ref_block, ref_per_tensor  # noqa: E402
+from helpers import segment_rows  # noqa: E402
 
 
 def as_numpy(t: torch.Tensor) -> np.ndarray:

@@ -20,12 +20,12 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import assert_same_state, hook_opens
 
 from functional_load import load
 from functional_load.checkpoint import pickles
 from functional_load.errors import FormatError, LoadError, SecurityError
 from functional_load.testing.checkpoints import read_checkpoint_tensors
-from helpers import hook_opens
 
 BIN = "pytorch_model.bin"
 
@@ -214,14 +214,6 @@ def test_old_torch_is_refused(tmp_path, monkeypatch, config_source):
 
 
 # --- a legitimate pickle loads exactly like the safetensors ----------------------------------------
-
-
-def assert_same_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert set(got) == set(want)
-    for name, tensor in want.items():
-        other = got[name]
-        assert other.dtype == tensor.dtype and other.shape == tensor.shape, name
-        assert torch.equal(other.contiguous().view(torch.uint8), tensor.contiguous().view(torch.uint8)), name
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])

@@ -19,7 +19,7 @@ import importlib.util
 import json
 import shutil
 from collections.abc import Callable
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +32,13 @@ from safetensors.torch import save_file
 
 import functional_load as fl
 from functional_load import CheckpointError, ConfigError, PlanError, ShardingError
-from functional_load.transform.dequant import AWQ_REVERSE_ORDER, unpack_int32
 from functional_load.layout.parallel import Parallel
 from functional_load.layout.scales import Blocked
 from functional_load.layout.schemes import Linear, pack_segments, quant_params
 from functional_load.layout.segments import Segment
 from functional_load.layout.sharding import Split
 from functional_load.model.quant import QuantScheme
+from functional_load.transform.dequant import AWQ_REVERSE_ORDER, unpack_int32
 
 QUANT = Path(__file__).parent / "fixtures" / "quant"
 # The dense (Llama) fixtures; a fixture directory is usable once it has its config.json. The MoE
@@ -79,7 +79,7 @@ def test_reference_is_independent() -> None:
     assert "functional_load" not in source
 
 
-@lru_cache(maxsize=None)
+@cache
 def ref_weights(name: str, gptq_mode: str = "word") -> dict[str, torch.Tensor]:
     """{checkpoint linear prefix: float32 [out, in]} from the reference dequantizer, with group
     scales held in the model dtype as vLLM holds them."""
@@ -87,17 +87,17 @@ def ref_weights(name: str, gptq_mode: str = "word") -> dict[str, torch.Tensor]:
     return {p: w for p, (w, _) in deq.items()}
 
 
-@lru_cache(maxsize=None)
+@cache
 def ckpt(name: str) -> dict[str, torch.Tensor]:
     return ref_dequant.load_tensors(str(QUANT / name))
 
 
-@lru_cache(maxsize=None)
+@cache
 def config(name: str) -> dict[str, Any]:
     return json.loads((QUANT / name / "config.json").read_text())
 
 
-@lru_cache(maxsize=None)
+@cache
 def loaded(name: str, tp: int, rank: int) -> fl.LoadedState:
     return fl.load(QUANT / name, tp_size=tp, rank=rank, progress=False)
 
@@ -274,9 +274,8 @@ def tp_problem(name: str, tp: int) -> str | None:
     if g["inter"] % tp:
         return "output rows"
     inputs = (g["heads"] * g["head_dim"], g["inter"])  # of the row-parallel o_proj, down_proj
-    if f["fmt"] in ("pack", "gptq", "awq") and not f.get("act_order"):
-        if any((width // f["group"]) % tp for width in inputs):
-            return "quantization groups"
+    if f["fmt"] in ("pack", "gptq", "awq") and not f.get("act_order") and any((width // f["group"]) % tp for width in inputs):
+        return "quantization groups"
     if f["fmt"] == "block":  # vLLM's validate_fp8_block_shape, as vLLM 0.32 applies it
         bn, bk = f["block"]
         for width in inputs:  # row-parallel: every rank's input slice a whole number of blocks
@@ -436,7 +435,7 @@ def test_kv_cache_scales(name: str) -> None:
         for rank in range(tp):
             kv = _kv(loaded(name, tp, rank), name)
             sources = dict(zip(("k_scale", "v_scale"), KV_SOURCES.get(name, ())))
-            for param, (shape, dtype, absent) in manifest.items():
+            for param, (shape, _dtype, absent) in manifest.items():
                 got = kv[param]
                 if param in sources:  # the calibrated value, cast to the parameter's dtype as vLLM copies it
                     want = ckpt(name)[sources[param]].reshape(shape).to(got.dtype)
@@ -582,7 +581,8 @@ def test_packing_offsets_merged_gate_up(rank: int) -> None:
     ]
     # the same through a scheme manifest: AWQ qweight [in, out/8] of a merged layer
     linear = Linear("merged", 4096, (Segment(0, 14336, label="output rows"), Segment(1, 14336, label="output rows")))
-    qweight = {s: sh for s, _, sh, _ in quant_params(QuantScheme("awq", bits=4, strategy="group", group_size=128), linear, "float16")}["qweight"]
+    scheme = QuantScheme("awq", bits=4, strategy="group", group_size=128)
+    qweight = {s: sh for s, _, sh, _ in quant_params(scheme, linear, "float16")}["qweight"]
     assert isinstance(qweight, Split) and qweight.dim == 1
     assert _pieces(qweight.pieces(Parallel(8, rank)))[1] == (1, (224 * rank, 224 * rank + 224), (224, 448))
 
@@ -592,7 +592,11 @@ def test_packing_of_qkv_heads() -> None:
     segs = (Segment("q", 32, 128), Segment("k", 4, 128, replicate=True), Segment("v", 4, 128, replicate=True))
     packed = pack_segments(segs, 8)
     assert [(s.count, s.unit, s.replicate) for s in packed] == [(32, 16, False), (4, 16, True), (4, 16, True)]
-    assert _pieces(Split(1, packed).pieces(Parallel(8, 3))) == [("q", (192, 256), (0, 64)), ("k", (16, 32), (64, 80)), ("v", (16, 32), (80, 96))]
+    assert _pieces(Split(1, packed).pieces(Parallel(8, 3))) == [
+        ("q", (192, 256), (0, 64)),
+        ("k", (16, 32), (64, 80)),
+        ("v", (16, 32), (80, 96)),
+    ]
 
 
 def test_block_cut_crossing_a_block_raises_vllm_wording_row() -> None:
@@ -770,7 +774,9 @@ WRONG_SHAPES = [  # (fixture, checkpoint tensor, wrong shape, parameter, right s
 ]
 
 
-@pytest.mark.parametrize(("name", "tensor", "shape", "param", "want"), WRONG_SHAPES, ids=[w[0] + ":" + w[1].split(".")[-2] for w in WRONG_SHAPES])
+@pytest.mark.parametrize(
+    ("name", "tensor", "shape", "param", "want"), WRONG_SHAPES, ids=[w[0] + ":" + w[1].split(".")[-2] for w in WRONG_SHAPES]
+)
 def test_wrong_scale_shape_is_a_plan_error(tmp_path: Path, name: str, tensor: str, shape: tuple, param: str, want: list) -> None:
     original = ckpt(name)[tensor]
     d = edited_copy(name, tmp_path, edits={tensor: torch.ones(shape, dtype=original.dtype)})
@@ -819,7 +825,11 @@ def _set(path: list[str], value: Any) -> Callable[[dict], None]:
 @pytest.mark.parametrize(("name", "edit", "words"), [
     ("ct_fp8_tensor", _set(["quant_method"], "bitsandbytes"), ["'bitsandbytes'", "not supported"]),
     ("hf_fp8_block", _set(["weight_scale_semantics"], "inverse"), ["inverse", "weight_scale_inv"]),
-    ("ct_fp8_tensor", _set(["ignore"], ["lm_head", f"{L0}.self_attn.q_proj"]), [f"{L0}.self_attn.qkv_proj", f"{L0}.self_attn.q_proj", "ignore"]),
+    (
+        "ct_fp8_tensor",
+        _set(["ignore"], ["lm_head", f"{L0}.self_attn.q_proj"]),
+        [f"{L0}.self_attn.qkv_proj", f"{L0}.self_attn.q_proj", "ignore"],
+    ),
     ("hf_fp8_block", _set(["modules_to_not_convert"], ["lm_head", f"{L0}.mlp.up_proj"]), [f"{L0}.mlp.gate_up_proj", f"{L0}.mlp.up_proj"]),
 ], ids=["unsupported-method", "gptqmodel-fp8-inverse", "qkv-partly-ignored", "gate-up-partly-ignored"])
 def test_config_errors(tmp_path: Path, name: str, edit: Callable[[dict], None], words: list[str]) -> None:

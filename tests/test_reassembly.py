@@ -11,10 +11,10 @@ import re
 
 import pytest
 import torch
+from helpers import assert_same_bits, unreplicate
 
 import functional_load as fl
 from functional_load.testing.checkpoints import read_checkpoint_tensors
-from helpers import assert_same_bits, unreplicate
 
 HEADS, HEAD_DIM, VOCAB, PADDED_VOCAB = 8, 8, 1000, 1024
 

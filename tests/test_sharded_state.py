@@ -28,21 +28,14 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import assert_same_state
 
 from functional_load import ReadOptions, load, save_sharded
-from functional_load.output import save as sharded_state
-from functional_load.errors import ConfigError, FormatError, IntegrityError, LoadError, MissingFileError
 from functional_load.checkpoint.sharded import MANIFEST, read_manifest
+from functional_load.errors import ConfigError, FormatError, IntegrityError, LoadError, MissingFileError
+from functional_load.output import save as sharded_state
 
 QUANT = Path(__file__).parent / "fixtures" / "quant"
-
-
-def assert_same_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str = "") -> None:
-    assert set(got) == set(want), what
-    for name, tensor in want.items():
-        other = got[name]
-        assert other.dtype == tensor.dtype and other.shape == tensor.shape, f"{what} {name}"
-        assert torch.equal(as_bytes(other), as_bytes(tensor)), f"{what} {name}"
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -164,7 +157,7 @@ def test_expert_parallel_save_reshards_to_tensor_parallel_experts(saves):
 # --- kill at every step --------------------------------------------------------------------------
 
 
-class Crash(Exception):
+class CrashError(Exception):
     """Stands in for the process dying at a step of the save."""
 
 
@@ -182,7 +175,7 @@ def crash_at(monkeypatch: pytest.MonkeyPatch, k: int) -> list[str]:
     def step(name: str) -> None:
         seen.append(name)
         if len(seen) == k + 1:
-            raise Crash(name)
+            raise CrashError(name)
 
     monkeypatch.setattr(sharded_state, "_step", step)
     return seen
@@ -224,7 +217,7 @@ def test_crash_at_every_step_into_a_fresh_directory(checkpoints, tmp_path, monke
         parent.mkdir()
         out = parent / "save"
         crash_at(monkeypatch, k)
-        with pytest.raises(Crash, match=name):
+        with pytest.raises(CrashError, match=name):
             save_sharded(source, out, tp_size=NEW_TP)
         monkeypatch.undo()
         assert stray_temps(parent) == [], f"crash at {name!r} left {stray_temps(parent)}"
@@ -260,7 +253,7 @@ def test_crash_at_every_step_over_an_older_save(checkpoints, tmp_path, monkeypat
         out = parent / "save"
         shutil.copytree(pristine, out)
         crash_at(monkeypatch, k)
-        with pytest.raises(Crash, match=name):
+        with pytest.raises(CrashError, match=name):
             save_sharded(new_source, out, tp_size=NEW_TP)
         monkeypatch.undo()
         assert stray_temps(parent) == [], f"crash at {name!r} left {stray_temps(parent)}"
@@ -288,11 +281,11 @@ def test_crash_between_manifest_and_config_is_refused(checkpoints, tmp_path, mon
 
     def replace(src: Any, dst: Any) -> None:
         if Path(dst).name == "config.json":
-            raise Crash("between the renames")
+            raise CrashError("between the renames")
         real_replace(src, dst)
 
     monkeypatch.setattr(sharded_state.os, "replace", replace)
-    with pytest.raises(Crash):
+    with pytest.raises(CrashError):
         save_sharded(checkpoints["llama"], out, tp_size=NEW_TP)
     monkeypatch.undo()
     assert read_manifest(out)["arch"] == "llama"
@@ -347,7 +340,10 @@ def test_bit_flip_is_caught_only_with_verify_hashes(saves, tmp_path):
         assert type(info.value) is IntegrityError
         assert str(victim) in str(info.value) and "SHA-256" in str(info.value)
     for rank in (0, 2, 3):  # the other ranks' files are intact and verify
-        assert_same_state(load(saved, tp_size=SAVED_TP, rank=rank, read=ReadOptions(verify_hashes=True), progress=False), reference(source, {}, SAVED_TP, rank))
+        assert_same_state(
+            load(saved, tp_size=SAVED_TP, rank=rank, read=ReadOptions(verify_hashes=True), progress=False),
+            reference(source, {}, SAVED_TP, rank),
+        )
 
     # Without hashes only sizes are checked: the flipped byte loads silently. This is the case
     # verify_hashes exists for (after a copy, a download, or on suspect storage).

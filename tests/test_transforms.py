@@ -39,8 +39,8 @@ E8M0 = ml_dtypes.float8_e8m0fnu
 F32 = np.float32
 
 
-from helpers import segment_rows  # noqa: E402
 from fp8_reference import ref_block, ref_dequant, ref_per_tensor, ref_quant, ref_requant  # noqa: E402
+from helpers import segment_rows  # noqa: E402
 
 
 def bits(a) -> np.ndarray:
@@ -547,7 +547,10 @@ def test_non_contiguous_tensor_is_copied(dtype: torch.dtype) -> None:
         np.testing.assert_array_equal(bits(a), bits(view.contiguous()))
 
 
-@pytest.mark.parametrize(("name", "target"), [("ct_fp8_tensor", "checkpoint"), ("ct_fp8_tensor", "cuda-fp8"), ("hf_fp8_block_ue8m0", "rocm-fp8"), ("ct_fp8_channel", "rocm-fp8")])
+@pytest.mark.parametrize(
+    ("name", "target"),
+    [("ct_fp8_tensor", "checkpoint"), ("ct_fp8_tensor", "cuda-fp8"), ("hf_fp8_block_ue8m0", "rocm-fp8"), ("ct_fp8_channel", "rocm-fp8")],
+)
 def test_loaded_tensors_convert_to_jax_zero_copy(name: str, target: str, tiny_checkpoint) -> None:
     states = [_load(name, 2, 1, target), fl.load(tiny_checkpoint("llama"), tp_size=2, rank=0, progress=False)]
     for state in states:

@@ -8,11 +8,11 @@ quantization differences, KV-cache parameters, scale dtypes and ``weight_shape``
 from __future__ import annotations
 
 import torch
+from helpers import assert_same_bits
 
 import functional_load as fl
 from functional_load.testing.checkpoints import read_checkpoint_tensors
 from functional_load.vllm_target import VLLM_VERSION
-from helpers import assert_same_bits
 
 
 def test_expert_parameters_have_the_target_release_names(tiny_checkpoint) -> None:
