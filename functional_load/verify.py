@@ -75,7 +75,7 @@ def reference_tensor(info: TensorInfo) -> Any:
         stored = reference_tensor(piece.stored)[tuple(slice(a, b) for a, b in piece.dst)]
         lead = len(piece.dst) - len(piece.src)
         stored = stored.reshape(stored.shape[lead:]) if lead else stored
-        whole[tuple(slice(a, b) for a, b in piece.src)] = stored.T if piece.transpose else stored
+        whole[tuple(slice(a, b) for a, b in piece.src)] = stored.transpose(-1, -2) if piece.transpose else stored
     return whole
 
 
@@ -104,9 +104,9 @@ def verify_ranks(model_dir: Any, *, tp_size: int = 1, dtype: Any = None, load_fo
         for param in the_plan.params:
             tensor = state[param.spec.name]
             for copy in param.copies:
-                src = reference[copy.tensor][tuple(slice(a, b) for a, b in copy.src)]
-                src = (src.T if copy.transpose else src).to(tensor.dtype)
                 dst = tensor[tuple(slice(a, b) for a, b in copy.dst)]
+                src = reference[copy.tensor][tuple(slice(a, b) for a, b in copy.src)]
+                src = copy.arrange(src, tuple(dst.shape)).to(tensor.dtype)
                 if not torch.equal(_bits(dst), _bits(src)):
                     problems.append(f"rank {rank}: {param.spec.name}{list(copy.dst)} differs from {copy.tensor}{list(copy.src)}")
                 covered[copy.tensor][tuple(slice(a, b) for a, b in copy.src)] = True

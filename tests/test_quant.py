@@ -582,7 +582,7 @@ def test_packing_offsets_merged_gate_up(rank: int) -> None:
     # the same through a scheme manifest: AWQ qweight [in, out/8] of a merged layer
     linear = Linear("merged", 4096, (Segment(0, 14336, label="output rows"), Segment(1, 14336, label="output rows")))
     scheme = QuantScheme("awq", bits=4, strategy="group", group_size=128)
-    qweight = {s: sh for s, _, sh, _ in quant_params(scheme, linear, "float16")}["qweight"]
+    qweight = {p.suffix: p.sharding for p in quant_params(scheme, linear, "float16")}["qweight"]
     assert isinstance(qweight, Split) and qweight.dim == 1
     assert _pieces(qweight.pieces(Parallel(8, rank)))[1] == (1, (224 * rank, 224 * rank + 224), (224, 448))
 
@@ -804,7 +804,7 @@ def test_quantization_groups_unit() -> None:
     grouped = {"gptq": ("qzeros", "scales"), "awq": ("qzeros", "scales"), "pack": ("weight_scale", "weight_zero_point")}
     for fmt, suffixes in grouped.items():
         scheme = QuantScheme(fmt, bits=4, strategy="group", group_size=32, symmetric=False)
-        params = {suffix: (shape, sharding) for suffix, shape, sharding, _ in quant_params(scheme, linear, "bfloat16")}
+        params = {p.suffix: (p.shape, p.sharding) for p in quant_params(scheme, linear, "bfloat16")}
         for suffix in suffixes:
             shape, sharding = params[suffix]
             with pytest.raises(ShardingError, match="4 quantization groups"):

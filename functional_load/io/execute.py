@@ -57,14 +57,15 @@ class LoadStats:
 def split_copy(copy: Copy, nbytes_per_element: int, chunk: int) -> list[Copy]:
     """``copy`` cut along the first dimension of its source box into pieces of about ``chunk``
     bytes (the matching destination rows follow: the same dimension, or the other one of a
-    transposed 2-D block, after any leading slot dimension of an expert parameter)."""
+    transposed 2-D block, after any leading slot dimension of an expert parameter). Copies that
+    repeat elements (refined block scales, a few bytes) stay whole."""
     rows = copy.src[0][1] - copy.src[0][0] if copy.src else 0
     nbytes = box_volume(copy.src) * nbytes_per_element
     parts = min(rows, -(-nbytes // chunk)) if rows else 1
-    if parts <= 1:
+    if parts <= 1 or copy.repeat:
         return [copy]
-    lead = len(copy.dst) - len(copy.src)
-    dim = lead + (1 if copy.transpose else 0)
+    lead = max(0, len(copy.dst) - len(copy.src))
+    dim = lead + (1 if copy.transpose and len(copy.src) == 2 else 0)
     (s0, s1), (d0, _) = copy.src[0], copy.dst[dim]
     cuts = [s0 + (s1 - s0) * i // parts for i in range(parts + 1)]
     return [
@@ -73,6 +74,7 @@ def split_copy(copy: Copy, nbytes_per_element: int, chunk: int) -> list[Copy]:
             ((a, b),) + copy.src[1:],
             copy.dst[:dim] + ((d0 + a - s0, d0 + b - s0),) + copy.dst[dim + 1 :],
             copy.transpose,
+            copy.repeat,
         )
         for a, b in zip(cuts, cuts[1:])
         if b > a

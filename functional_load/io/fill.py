@@ -17,9 +17,10 @@ from ..layout.segments import Box, box_volume, full_box
 from ..plan.plan import Copy, ParamPlan, Plan
 from .reader import Reader
 
-# Parameters that hold quantization scales: every element read from the checkpoint must be
-# finite (and, for FP8/int8 and KV-cache scales, positive).
-SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scale", ".scales", ".q_scale", ".k_scale", ".v_scale", ".prob_scale")
+# Parameters that hold quantization scales (the last part of the name ends so: MoE experts'
+# ``w13_weight_scale`` too): every element read from the checkpoint must be finite (and, for
+# FP8/int8 and KV-cache scales, positive; MXFP4's e8m0 exponents must not be 0xFF, NaN).
+SCALE_SUFFIXES = ("weight_scale", "weight_scale_inv", "input_scale", "scales", "q_scale", "k_scale", "v_scale", "prob_scale")
 ALIGN = 64
 
 
@@ -70,12 +71,12 @@ def copy_into(plan: Plan, tensor: Any, copy: Copy, reader: Reader) -> None:
     info = plan.tensors[copy.tensor]
     dst = tensor[_index(copy.dst)]
     source_dtype = to_torch(torch_name(info.dtype))
-    if not copy.transpose and source_dtype == tensor.dtype and dst.is_contiguous():
+    if not copy.transpose and not copy.repeat and source_dtype == tensor.dtype and dst.is_contiguous():
         reader.read_into(info, copy.src, _bytes(dst))
     else:
         tmp = torch.empty(tuple(b - a for a, b in copy.src), dtype=source_dtype)
         reader.read_into(info, copy.src, _bytes(tmp))
-        dst.copy_((tmp.T if copy.transpose else tmp).reshape(dst.shape))
+        dst.copy_(copy.arrange(tmp, tuple(dst.shape)))
 
 
 def prepare(param: ParamPlan, tensor: Any) -> None:
@@ -95,9 +96,10 @@ def verify_shared(plan: Plan, param: ParamPlan, tensor: Any, reader: Reader) -> 
         tmp = torch.empty(tuple(b - a for a, b in check.src), dtype=to_torch(torch_name(info.dtype)))
         reader.read_into(info, check.src, _bytes(tmp))
         if not torch.equal(tmp.to(tensor.dtype).reshape(-1), tensor[_index(check.dst)].reshape(-1)):
+            first = next((c.tensor for c in param.copies if c.dst == check.dst), "?")
             raise CheckpointError(
-                f"{param.spec.name}: checkpoint tensors {param.copies[0].tensor!r} and {check.tensor!r} (in "
-                f"{info.file.name}) must be identical for the fused parameter, but differ"
+                f"{param.spec.name}: checkpoint tensors {first!r} and {check.tensor!r} (in {info.file.name}) must be "
+                f"identical for the fused parameter (vLLM keeps one value for both), but differ; re-export the checkpoint"
             )
 
 
@@ -110,7 +112,12 @@ def check_scale(plan: Plan, param: ParamPlan, tensor: Any) -> None:
     values = tensor.float()
     scheme = plan.schemes.get(param.spec.module)
     signed = scheme is not None and scheme.format in ("pack", "gptq", "awq")
-    bad = ~torch.isfinite(values) if signed else ~(torch.isfinite(values) & (values > 0))
+    if scheme is not None and scheme.format == "mxfp4":
+        bad = values == 255  # the e8m0 NaN
+    elif signed:
+        bad = ~torch.isfinite(values)
+    else:
+        bad = ~(torch.isfinite(values) & (values > 0))
     if bool(bad.any()):
         sources = sorted({c.tensor for c in param.copies}) or ["(default)"]
         first = values[bad].flatten()[0].item()
@@ -142,4 +149,4 @@ def load_param(plan: Plan, param: ParamPlan, reader: Reader, dtype: str | None =
 
 def is_scale(param: ParamPlan) -> bool:
     """A scale read from the checkpoint (a default, like vLLM's -1.0 "absent" KV scale, is not data)."""
-    return param.spec.name.endswith(SCALE_SUFFIXES) and bool(param.copies)
+    return param.spec.name.rsplit(".", 1)[-1].endswith(SCALE_SUFFIXES) and bool(param.copies)

@@ -22,7 +22,7 @@ from ..checkpoint import FileSpan, PickleEntry, SavedBoxes, SavedPiece, TensorIn
 from ..checkpoint.pickles import safe_torch_load
 from ..dtypes import itemsize
 from ..errors import IntegrityError
-from ..layout.segments import Box, box_volume
+from ..layout.segments import Box, box_volume, swap_last
 from .files import Tally, byte_runs, check_unchanged, file_reader
 from .options import ReadOptions
 
@@ -36,7 +36,7 @@ def _stored_box(piece: SavedPiece, inter: Box) -> Box:
     """Where ``inter`` (a box of the original tensor inside ``piece.src``) sits in the rank-file tensor."""
     rel = [(lo - s0, hi - s0) for (lo, hi), (s0, _) in zip(inter, piece.src)]
     if piece.transpose:
-        rel = rel[::-1]
+        rel = list(swap_last(tuple(rel)))
     lead = len(piece.dst) - len(rel)  # a per-expert matrix sits in one slot of a 3-D parameter
     return piece.dst[:lead] + tuple((d0 + lo, d0 + hi) for (lo, hi), (d0, _) in zip(rel, piece.dst[lead:]))
 
@@ -111,7 +111,7 @@ class Reader:
             lead = len(piece.dst) - len(inter)
             block = np.frombuffer(chunk, dtype=np.uint8).reshape(tuple(hi - lo for lo, hi in stored[lead:]) + (item,))
             if piece.transpose:
-                block = block.transpose(1, 0, 2)
+                block = block.swapaxes(-2, -3)  # the last two data dimensions (the last is the bytes)
             view = target[tuple(slice(lo - b0, hi - b0) for (lo, hi), (b0, _) in zip(inter, box))]
             view[...] = block.reshape(view.shape)
             covered += n

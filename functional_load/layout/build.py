@@ -64,6 +64,7 @@ class Layout:
     mapping: tuple[MappingTable, ...]
     aliases: Mapping[str, str]  # tied alias -> canonical parameter
     schemes: Mapping[str, QuantScheme] = field(default_factory=dict)  # quantized module -> its scheme
+    drops: tuple[tuple[str, str], ...] = ()  # (name prefix, why): checkpoint tensors that are no parameter
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
@@ -145,7 +146,6 @@ def build_layout(
         )
     parallel = _served_placement(spec, scope, parallel, warn=report)
     params: dict[str, ParamSpec] = {}
-    kv_defaults = {n: value for n, _, _, value in (quant.kv_params if quant else ())}
     problems: list[str] = []
     failed: set[str] = set()
     for module, name, module_scope in _instances(spec, scope, num_layers):
@@ -153,7 +153,7 @@ def build_layout(
             continue
         transposed = bool(module.fields.get("transposed", False))
         try:
-            for suffix, shape, sharding, param_dtype in module_params(module, name, module_scope, dtype, quant, stages, schemes):
+            for suffix, shape, sharding, param_dtype, default in module_params(module, name, module_scope, dtype, quant, stages, schemes):
                 full = f"{name}.{suffix}"
                 params[full] = ParamSpec(
                     name=full,
@@ -163,7 +163,7 @@ def build_layout(
                     dtype=param_dtype,
                     sharding=sharding,
                     transposed=transposed and suffix == "weight" and len(shape) == 2,
-                    default=kv_defaults.get(suffix) if module.kind == "kv_cache" else None,
+                    default=default,
                     derived=name in schemes and schemes[name].online and suffix != "weight",
                 )
         except ShardingError as exc:
@@ -183,4 +183,16 @@ def build_layout(
         params.pop(spec.tie.alias, None)
         aliases[spec.tie.alias] = spec.tie.target
     quant_stages = quant.mapping if quant else ()
-    return Layout(spec.name, parallel, dtype, params, (ROTARY_CACHES, *quant_stages, *stages), aliases, schemes)
+    mapping = (ROTARY_CACHES, *quant_stages, *stages)
+    return Layout(spec.name, parallel, dtype, params, mapping, aliases, schemes, _drops(spec, scope))
+
+
+def _drops(spec: ArchSpec, scope: Scope) -> tuple[tuple[str, str], ...]:
+    """The spec's drop rules for this config, as (name prefix, reason) pairs."""
+    out = []
+    for drop in spec.drops:
+        first, stop = scope.int(drop.first, f"{spec.name} drop.first"), scope.int(drop.stop, f"{spec.name} drop.stop")
+        if stop - first > MAX_LAYERS:
+            raise ConfigError(f"{spec.name}: drop rule {drop.prefix!r} spans {stop - first} layers; config.json is corrupt")
+        out += [(drop.prefix.replace("{layer}", str(n)), drop.reason) for n in range(first, stop)]
+    return tuple(out)

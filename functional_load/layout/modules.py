@@ -14,9 +14,10 @@ from ..model.expressions import Scope, evaluate
 from ..model.mapping import MappingTable
 from ..model.quant import QuantConfig, QuantScheme
 from ..model.spec import ModuleSpec
+from .experts import expert_params
 from .schemes import Linear, ParamDef, quant_params
 from .segments import Segment
-from .sharding import ExpertSplit, Replicated, Sharding, Split, VocabSplit
+from .sharding import Replicated, Sharding, Split, VocabSplit
 
 
 def _linear(module: ModuleSpec, scope: Scope) -> Linear:
@@ -27,10 +28,11 @@ def _linear(module: ModuleSpec, scope: Scope) -> Linear:
         head_dim = scope.int(f["head_dim"], f"{module.pattern}.head_dim")
         v_head_dim = scope.int(f.get("v_head_dim", f["head_dim"]), f"{module.pattern}.v_head_dim")
         kv_heads = scope.int(f["kv_heads"], f"{module.pattern}.kv_heads")
+        replicate = bool(evaluate(f.get("replicate_kv", True), scope))  # vLLM replicates KV heads over extra ranks
         segments: tuple[Segment, ...] = (
             Segment("q", scope.int(f["heads"], f"{module.pattern}.heads"), head_dim, label="attention heads"),
-            Segment("k", kv_heads, head_dim, replicate=True, label="KV heads"),
-            Segment("v", kv_heads, v_head_dim, replicate=True, label="KV heads"),
+            Segment("k", kv_heads, head_dim, replicate=replicate, label="KV heads"),
+            Segment("v", kv_heads, v_head_dim, replicate=replicate, label="KV heads"),
         )
     elif kind == "merged":
         segments = tuple(
@@ -55,11 +57,11 @@ def _linear_params(linear: Linear, scheme: QuantScheme | None, model_dtype: str,
         weight = bias = Split(0, linear.segments, linear.disable_tp)
     params: list[ParamDef]
     if scheme is None:
-        params = [("weight", (linear.out_size, linear.in_size), weight, model_dtype)]
+        params = [ParamDef("weight", (linear.out_size, linear.in_size), weight, model_dtype)]
     else:
         params = quant_params(scheme, linear, model_dtype)
     if has_bias:
-        params.append(("bias", (linear.out_size,), bias, model_dtype))
+        params.append(ParamDef("bias", (linear.out_size,), bias, model_dtype))
     return params
 
 
@@ -71,32 +73,30 @@ def module_params(
     if module.kind == "vocab":
         size = scope.int(f["size"], f"{module.pattern}.size")
         dim = scope.int(f["dim"], f"{module.pattern}.dim")
-        return [("weight", (size, dim), VocabSplit(size, int(f.get("padding", 64))), dtype)]
+        return [ParamDef("weight", (size, dim), VocabSplit(size, int(f.get("padding", 64))), dtype)]
     if module.kind == "replicated":
         params: list[ParamDef] = []
         for suffix, shape in f["params"].items():
             pinned = dtype
             if isinstance(shape, Mapping):  # {shape = [...], dtype = "float32"}
                 shape, pinned = shape["shape"], shape.get("dtype", dtype)
-            params.append((suffix, tuple(scope.int(d, f"{module.pattern}.{suffix}") for d in shape), Replicated(), pinned))
+            params.append(ParamDef(suffix, tuple(scope.int(d, f"{module.pattern}.{suffix}") for d in shape), Replicated(), pinned))
         return params
+    if module.kind == "heads":  # one value per attention head, split with the heads (gpt-oss sinks)
+        heads = scope.int(f["heads"], f"{module.pattern}.heads")
+        split = Split(0, (Segment(0, heads, label="attention heads"),))
+        return [ParamDef(suffix, (heads,), split, dtype) for suffix in f["params"]]
     if module.kind == "kv_cache":  # the quantization method's KV-cache parameters (none when unquantized)
         kv = quant.kv_params if quant else ()
-        return [(n, shape, Replicated(), dtype if p_dtype == "model" else p_dtype) for n, shape, p_dtype, _ in kv]
+        return [ParamDef(n, shape, Replicated(), dtype if p_dtype == "model" else p_dtype, value) for n, shape, p_dtype, value in kv]
     if module.kind == "experts":
-        experts = scope.int(f["experts"], f"{module.pattern}.experts")
-        hidden = scope.int(f["in"], f"{module.pattern}.in")
-        inter = scope.int(f["intermediate"], f"{module.pattern}.intermediate")
-        if experts < 1:
-            raise ConfigError(f"{module.pattern}: {f['experts']!r} gave {experts} experts; an MoE layer needs at least one")
-        w13 = Split(0, (Segment("w1", inter, label="expert intermediate rows"), Segment("w3", inter, label="expert intermediate rows")))
-        w2 = Split(1, (Segment("w2", inter, label="expert intermediate columns"),))
-        return [
-            ("routed_experts.w13_weight", (experts, 2 * inter, hidden), ExpertSplit(experts, w13), dtype),
-            ("routed_experts.w2_weight", (experts, hidden, inter), ExpertSplit(experts, w2), dtype),
-        ]
+        scheme = _experts_scheme(module, name, quant, layout_stages)
+        if scheme is not None:
+            schemes[name] = scheme
+        return expert_params(module, scope, dtype, scheme)
     linear = _linear(module, scope)
-    scheme = quant.scheme_for(name, _checkpoint_modules(name, layout_stages)) if quant else None
+    quantized = quant is not None and quant.quantizes("linear") and f.get("quantized", True)
+    scheme = quant.scheme_for(name, _checkpoint_modules(name, layout_stages)) if quant and quantized else None
     if scheme is not None:
         schemes[name] = scheme
     return _linear_params(linear, scheme, dtype, bool(evaluate(f.get("bias", False), scope)))
@@ -112,3 +112,24 @@ def _checkpoint_modules(module: str, stages: tuple[MappingTable, ...]) -> list[s
         if rule.kind == "stacked" and rule.replacement and (module + ".").find(rule.replacement + ".") >= 0
     ]
     return parts or [module]
+
+
+def _experts_scheme(module: ModuleSpec, name: str, quant: QuantConfig | None, stages: tuple[MappingTable, ...]) -> QuantScheme | None:
+    """The scheme of an MoE layer's experts: that of its checkpoint expert modules (expert 0's
+    gate, up and down projections, which must agree), as vLLM picks one method per layer."""
+    if quant is None or not quant.quantizes("experts"):
+        return None
+    sources = [
+        name + rule.pattern.split("{e}")[0].rsplit(".experts", 1)[-1] + "0" + rule.pattern.split("{e}")[1].rstrip(".")
+        for table in stages
+        for rule in table.rules
+        if rule.kind == "expert"
+    ] or [name]
+    schemes = {s: quant.scheme_for(s, [s]) for s in sources}
+    if len(set(schemes.values())) > 1:
+        raise ConfigError(
+            f"{name}: its expert projections have different quantization schemes ({schemes}); vLLM quantizes an MoE "
+            "layer's experts with one method"
+        )
+    return next(iter(schemes.values()))
+

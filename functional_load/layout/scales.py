@@ -7,13 +7,14 @@ its local shape, slots, parts and JSON form.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError, ShardingError
 from ..model.mapping import ShardId
 from .parallel import Parallel
-from .segments import Piece, Range, full_box, segment_offsets, with_range
+from .segments import Box, Piece, Range, full_box, segment_offsets, with_range
 from .sharding import Part, Sharding, Slot, Split, _no_expert, _scalar
 
 
@@ -66,7 +67,8 @@ class Shared(Slots):
         if shard_id is not None and shard_id not in self.ids:
             raise ShardingError(f"shard id {shard_id!r} is not one of {list(self.ids)}")
         ids = self.ids if shard_id is None else (shard_id,)
-        return Part(tuple((full_box(shape), full_box(shape), i) for i in ids), (), shape, check=True)
+        expected = _scalar(found) if shape in ((), (1,)) else shape  # a scalar, stored 0-dim or [1]
+        return Part(tuple((full_box(expected), full_box(shape), i) for i in ids), (), expected, check=True)
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": "shared", "ids": list(self.ids)}
@@ -220,3 +222,114 @@ class Blocked(Sharding):
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": "blocked", "block": self.block, "rule": self.rule, "split": self.split.to_json()}
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertBlocks(Sharding):
+    """One expert's FP8 block scales under vLLM's fused-MoE rules: ``w13`` ``[2 * ceil(I / bn),
+    ceil(H / bk)]`` (w1's blocks, then w3's) or, with ``down``, ``w2`` ``[ceil(H / bn), ceil(I / bk)]``,
+    split with the expert's intermediate size ``I`` over the ranks.
+
+    A rank's ``I / tp`` must be a whole number of blocks (``bn``; also ``bk`` when split), as
+    vLLM's ``validate_fp8_block_shape_moe`` demands. vLLM's fp8 method (``refine``, not
+    compressed-tensors') instead refines the grid to ``r = gcd(bn, bk, I / tp, H)`` when ``r >=
+    32``: each checkpoint scale fills ``(bn / r) x (bk / r)`` cells (:attr:`Part.repeat`).
+    """
+
+    intermediate: int
+    hidden: int
+    block: tuple[int, int]
+    down: bool = False
+    refine: bool = False
+
+    def grid(self, parallel: Parallel) -> tuple[int, int]:
+        """The block shape of this rank's scales (the checkpoint's, or vLLM's refined one)."""
+        tp = parallel.tp_size
+        bn, bk = self.block
+        local = self.intermediate // tp
+        if local % bn == 0 and (tp == 1 or local % bk == 0):
+            return bn, bk
+        refined = math.gcd(bn, bk, local, self.hidden)
+        if self.refine and refined >= 32:
+            if self.intermediate % bn or self.hidden % bk:
+                raise ShardingError(
+                    f"FP8 MoE block scales refined to {refined}x{refined} need the expert sizes (intermediate "
+                    f"{self.intermediate}, hidden {self.hidden}) to be whole {bn}x{bk} blocks"
+                )
+            return refined, refined
+        if local % bn:
+            raise ShardingError(
+                f"The output_size of gate's and up's weight = {local} is not divisible by weight quantization block_n = {bn}."
+            )
+        raise ShardingError(f"The input_size of down's weight = {local} is not divisible by weight quantization block_k = {bk}.")
+
+    def _ids(self) -> tuple[ShardId | None, ...]:
+        return (None,) if self.down else ("w1", "w3")
+
+    def local_shape(self, shape: tuple[int, ...], parallel: Parallel) -> tuple[int, ...]:
+        rn, rk = self.grid(parallel)
+        local = self.intermediate // parallel.tp_size
+        if self.down:
+            return (-(-self.hidden // rn), -(-local // rk))
+        return (2 * -(-local // rn), -(-self.hidden // rk))
+
+    def slots(self, parallel: Parallel) -> list[Slot]:
+        return list(self._ids())
+
+    def part(
+        self, shape: tuple[int, ...], shard_id: ShardId | None, expert: int | None, parallel: Parallel, found: tuple[int, ...]
+    ) -> Part:
+        _no_expert(expert)
+        if shard_id is not None and shard_id not in self._ids():
+            raise ShardingError(f"shard id {shard_id!r} is not one of {[i for i in self._ids() if i is not None]}")
+        (bn, bk), (rn, rk) = self.block, self.grid(parallel)
+        local = self.intermediate // parallel.tp_size
+        start = parallel.rank * local
+        pairs: tuple[tuple[Box, Box, Slot], ...]
+        if self.down:  # rows: the whole hidden size; columns: this rank's intermediate columns
+            rows = ((0, -(-self.hidden // bn)), (0, -(-self.hidden // rn)))
+            pairs = tuple(
+                (((0, rows[0][1]), src), ((0, rows[1][1]), dst), None)
+                for src, dst in _refined_ranges(start // rk, -(-local // rk), bk // rk)
+            )
+            return Part(pairs, (), shape, repeat=_repeat(bn // rn, bk // rk))
+        coarse_rows, fine_rows = -(-self.intermediate // bn), -(-local // rn)
+        cols = ((0, -(-self.hidden // bk)), (0, -(-self.hidden // rk)))
+        ids = self._ids() if shard_id is None else (shard_id,)
+        pairs = tuple(
+            (((offset + a, offset + b), cols[0]), ((i * fine_rows + c, i * fine_rows + d), cols[1]), seg)
+            for i, seg in enumerate(self._ids())
+            if seg in ids
+            for offset in [coarse_rows * i if shard_id is None else 0]
+            for (a, b), (c, d) in _refined_ranges(start // rn, fine_rows, bn // rn)
+        )
+        expected = (coarse_rows * len(ids), cols[0][1])
+        return Part(pairs, (), expected, repeat=_repeat(bn // rn, bk // rk))
+
+    def tp_dim(self, parallel: Parallel) -> int | None:
+        return 1 if self.down else 0
+
+    @property
+    def split_dim(self) -> int | None:
+        return None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "expert_blocks", "intermediate": self.intermediate, "hidden": self.hidden,
+                "block": list(self.block), "down": self.down, "refine": self.refine}
+
+
+def _repeat(rows: int, cols: int) -> tuple[int, ...]:
+    return () if rows == cols == 1 else (rows, cols)
+
+
+def _refined_ranges(first: int, count: int, factor: int) -> list[tuple[Range, Range]]:
+    """Fine cells ``first .. first + count`` (local ``0 .. count``) as (checkpoint cells, local
+    cells) runs, where checkpoint cell ``j // factor`` fills fine cell ``j``: a run starting
+    inside a checkpoint cell covers only the rest of that cell."""
+    runs, j, end = [], first, first + count
+    while j < end:
+        stop = end if j % factor == 0 else min(end, (j // factor + 1) * factor)
+        runs.append(((j // factor, -(-stop // factor)), (j - first, stop - first)))
+        j = stop
+    return runs
+

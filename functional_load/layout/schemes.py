@@ -8,7 +8,7 @@ each tensor splits with the linear's output segments (column-like) or its input 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..errors import ConfigError
 from ..model.quant import QuantScheme
@@ -16,7 +16,17 @@ from .scales import Blocked, Pick, Shared, Slots
 from .segments import Segment
 from .sharding import Replicated, Sharding, Split
 
-ParamDef = tuple[str, tuple[int, ...], Sharding, str]  # (suffix, global shape, sharding, dtype)
+
+class ParamDef(NamedTuple):
+    """One parameter of a module: its name after the module's, its global shape (what the
+    checkpoint holds), descriptor and dtype; ``default`` is the value it keeps when the checkpoint
+    lacks it (None: the checkpoint must hold it)."""
+
+    suffix: str
+    shape: tuple[int, ...]
+    sharding: Sharding
+    dtype: str
+    default: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +108,10 @@ def quant_params(scheme: QuantScheme, linear: Linear, model_dtype: str) -> list[
       ``g_idx [in]`` with act-order.
     * ``awq``: ``qweight [in, out/pf]`` (interleaved), ``qzeros``, ``scales``.
     """
+    return [ParamDef(*p) for p in _manifest(scheme, linear, model_dtype)]
+
+
+def _manifest(scheme: QuantScheme, linear: Linear, model_dtype: str) -> list[tuple[Any, ...]]:
     out, inp = linear.out_size, linear.in_size
     weight_sharding = linear.out_split(0) if linear.column else linear.in_split(1, inp, "input columns")
     if scheme.format in ("fp8", "int8"):
@@ -143,7 +157,7 @@ def quant_params(scheme: QuantScheme, linear: Linear, model_dtype: str) -> list[
     ]
 
 
-def _scale(scheme: QuantScheme, linear: Linear) -> ParamDef:
+def _scale(scheme: QuantScheme, linear: Linear) -> tuple[Any, ...]:
     out, inp = linear.out_size, linear.in_size
     if scheme.strategy == "tensor":
         ids = linear.slot_ids()

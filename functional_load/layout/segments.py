@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import ConfigError, ShardingError
 from ..model.mapping import ShardId
@@ -24,6 +25,9 @@ class Segment:
     ``count`` is what must divide over the ranks (attention heads, not rows). A segment marked
     ``replicate`` (KV heads) may have fewer units than ranks: then ``tp_size // count`` ranks
     share each unit, and rank ``r`` reads unit ``r // replicas`` (vLLM's ``num_kv_head_replicas``).
+    An ``uneven`` segment needs no division: every rank allocates ``ceil(count / tp)`` units and
+    reads its share in rank order, so the last ranks read fewer (the rest is zero): vLLM's MXFP4
+    experts, split in whole 32-value blocks.
     """
 
     id: ShardId
@@ -31,6 +35,7 @@ class Segment:
     unit: int = 1
     replicate: bool = False
     label: str = "rows"  # what a unit is, for error messages: "attention heads", "KV heads"...
+    uneven: bool = False
 
     def __post_init__(self) -> None:
         if self.count < 0 or self.unit < 1:
@@ -58,6 +63,8 @@ class Piece:
 
 def divides(segment: Segment, tp_size: int) -> bool:
     """Whether ``segment`` can be spread over ``tp_size`` ranks."""
+    if segment.uneven:
+        return True
     if segment.replicate and 0 < segment.count < tp_size:
         return tp_size % segment.count == 0
     return segment.count % tp_size == 0
@@ -84,17 +91,27 @@ def segment_rows(segment: Segment, tp_size: int, rank: int) -> Range:
         replicas = tp_size // segment.count
         unit_index = rank // replicas
         return unit_index * segment.unit, (unit_index + 1) * segment.unit
-    per_rank = segment.count // tp_size * segment.unit
-    return rank * per_rank, (rank + 1) * per_rank
+    per_rank = segment_width(segment, tp_size)
+    return min(rank * per_rank, segment.rows), min((rank + 1) * per_rank, segment.rows)
+
+
+def segment_width(segment: Segment, tp_size: int) -> int:
+    """Local rows every rank allocates for ``segment`` (an uneven one's last ranks pad with zeros)."""
+    if segment.replicate and 0 < segment.count < tp_size:
+        return segment.unit
+    if segment.uneven:
+        return -(-segment.count // tp_size) * segment.unit
+    return segment.count // tp_size * segment.unit
 
 
 def segment_pieces(segments: tuple[Segment, ...], tp_size: int, rank: int) -> tuple[Piece, ...]:
-    """Where each segment's rows go on ``rank``: local rows are the segments back to back."""
+    """Where each segment's rows go on ``rank``: local rows are the segments back to back, each
+    :func:`segment_width` wide (an uneven segment's rows past its data are zero)."""
     pieces, offset = [], 0
     for segment in segments:
         start, stop = segment_rows(segment, tp_size, rank)
         pieces.append(Piece(segment.id, (start, stop), (offset, offset + stop - start)))
-        offset += stop - start
+        offset += segment_width(segment, tp_size)
     return tuple(pieces)
 
 
@@ -181,3 +198,9 @@ def full_box(shape: tuple[int, ...]) -> Box:
 def with_range(box: Box, dim: int, rng: Range) -> Box:
     """``box`` with dimension ``dim`` replaced by ``rng``."""
     return box[:dim] + (rng,) + box[dim + 1 :]
+
+
+def swap_last(box: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``box`` (or a shape) with its last two dimensions swapped: a transposed matrix, or each
+    expert's matrix of a 3-D tensor."""
+    return box[:-2] + (box[-1], box[-2]) if len(box) >= 2 else box

@@ -15,7 +15,7 @@ from typing import Any
 from ..errors import ConfigError, ShardingError
 from ..model.mapping import ShardId
 from .parallel import Parallel
-from .segments import Box, Piece, Range, Segment, full_box, segment_offsets, segment_pieces, vocab_shard, with_range
+from .segments import Box, Piece, Range, Segment, full_box, segment_offsets, segment_pieces, segment_width, vocab_shard, with_range
 
 Slot = Any  # a key of what must be filled: a segment id, (expert slot, segment id) or None
 
@@ -27,12 +27,18 @@ class Part:
     ``pairs``: ``(src box, dst box, slot)``, the source box in destination orientation;
     ``zeros``: local boxes that are zero (vocabulary padding); ``expected``: the checkpoint
     tensor's shape, in destination orientation; ``check``: several tensors store the same
-    values (act-order ``g_idx``): the first fills the parameter, the others are compared."""
+    values (act-order ``g_idx``): the first fills the parameter, the others are compared;
+    ``transpose``: the checkpoint stores the tensor with its last two dimensions swapped
+    (input-major fused experts); ``repeat``: per dimension of the source box, how many
+    destination elements each source element fills, the destination box taking the first of
+    them (vLLM's refined FP8 MoE block scales)."""
 
     pairs: tuple[tuple[Box, Box, Slot], ...]
     zeros: tuple[Box, ...]
     expected: tuple[int, ...]
     check: bool = False  # the pairs fill the parameter only once; other tensors' are read and compared
+    transpose: bool = False
+    repeat: tuple[int, ...] = ()
 
 
 def _no_shard_id(kind: str, shard_id: ShardId | None) -> None:
@@ -43,6 +49,11 @@ def _no_shard_id(kind: str, shard_id: ShardId | None) -> None:
 def _no_expert(expert: int | None) -> None:
     if expert is not None:
         raise ShardingError(f"a per-expert tensor (expert {expert}) maps to a parameter that holds no experts")
+
+
+def _lead(repeat: tuple[int, ...]) -> tuple[int, ...]:
+    """``repeat`` of an expert's tensor, with the expert dimension in front (kept as it is)."""
+    return (1,) + repeat if repeat else ()
 
 
 def _scalar(found: tuple[int, ...]) -> tuple[int, ...]:
@@ -129,7 +140,9 @@ class Split(Sharding):
         return segment_pieces(self.segments, *self.tp(parallel))
 
     def local_shape(self, shape: tuple[int, ...], parallel: Parallel) -> tuple[int, ...]:
-        rows = sum(p.dst[1] - p.dst[0] for p in self.pieces(parallel))
+        self.pieces(parallel)  # raises when a segment does not divide
+        tp = self.tp(parallel)[0]
+        rows = sum(segment_width(s, tp) for s in self.segments)
         return shape[: self.dim] + (rows,) + shape[self.dim + 1 :]
 
     def slots(self, parallel: Parallel) -> list[Slot]:
@@ -159,16 +172,24 @@ class Split(Sharding):
         expected = with_range(full_box(shape), self.dim, (0, rows))
         local = full_box(self.local_shape(shape, parallel))
         offsets = segment_offsets(self.segments) if shard_id is None else {shard_id: 0}
+        pieces = [p for p in self.pieces(parallel) if p.segment in ids]
         pairs = tuple(
             (
                 with_range(expected, self.dim, (offsets[p.segment] + p.src[0], offsets[p.segment] + p.src[1])),
                 with_range(local, self.dim, p.dst),
                 p.segment,
             )
-            for p in self.pieces(parallel)
-            if p.segment in ids
+            for p in pieces
+            if p.dst[1] > p.dst[0]
         )
-        return Part(pairs, (), tuple(b for _, b in expected))
+        tp = self.tp(parallel)[0]
+        widths = {s.id: segment_width(s, tp) for s in self.segments}
+        zeros = tuple(
+            with_range(local, self.dim, (p.dst[1], p.dst[0] + widths[p.segment]))
+            for p in pieces
+            if p.dst[1] - p.dst[0] < widths[p.segment]
+        )
+        return Part(pairs, zeros, tuple(b for _, b in expected))
 
     def segment_ranges(self, shape: tuple[int, ...], parallel: Parallel) -> list[tuple[ShardId | None, Range]]:
         return [(p.segment, p.dst) for p in self.pieces(parallel)]
@@ -223,15 +244,19 @@ class VocabSplit(Sharding):
 
 @dataclass(frozen=True, slots=True)
 class ExpertSplit(Sharding):
-    """A fused MoE parameter ``[E_local, ...]``: whole experts on dim 0, each expert's matrix
-    sharded by ``inner`` (dims relative to one expert's matrix).
+    """A fused MoE parameter ``[E_local, ...]``: whole experts on dim 0, each expert's tensor
+    described by ``inner`` (over the dimensions after the expert's).
 
-    Without expert parallelism every rank holds every expert, each TP-sharded by ``inner``; with
-    it, experts are spread over the ranks (:meth:`Parallel.expert_slots`) and kept whole.
+    Without expert parallelism every rank holds every expert, each sharded by ``inner`` over the
+    tensor-parallel ranks; with it, experts are spread over the ranks
+    (:meth:`Parallel.expert_slots`) and kept whole. ``input_major``: a checkpoint tensor holding
+    every expert at once stores each expert's matrix transposed (Llama 4, gpt-oss
+    ``gate_up_proj [E, H, 2I]``); per-expert tensors are ``[out, in]`` as usual.
     """
 
     num_experts: int
-    inner: Split
+    inner: Sharding
+    input_major: bool = False
 
     def __post_init__(self) -> None:
         if self.num_experts < 1:
@@ -243,29 +268,110 @@ class ExpertSplit(Sharding):
 
     def slots(self, parallel: Parallel) -> list[Slot]:
         held = parallel.expert_slots(self.num_experts)
-        return [(s, seg.id) for s in range(len(held)) for seg in self.inner.segments]
+        return [(s, seg) for s in range(len(held)) for seg in self.inner.slots(parallel.expert_tp)]
 
     def describe(self, slot: Slot, parallel: Parallel) -> str:
         s, segment = slot
-        return f"expert {parallel.expert_slots(self.num_experts)[s]} ({segment})"
+        expert = parallel.expert_slots(self.num_experts)[s]
+        return f"expert {expert}" + (f" ({segment})" if segment is not None else "")
 
     def part(
         self, shape: tuple[int, ...], shard_id: ShardId | None, expert: int | None, parallel: Parallel, found: tuple[int, ...]
     ) -> Part | None:
         held = parallel.expert_slots(self.num_experts)
-        inner = self.inner.part(shape[1:], shard_id, None, parallel.expert_tp, found)
-        if expert is not None:  # one expert's matrix; None when no local slot holds it
+        inner_found = found[1:] if expert is None else found
+        inner = self.inner.part(shape[1:], shard_id, None, parallel.expert_tp, inner_found)
+        if inner is None:
+            return None
+        if expert is not None:  # one expert's tensor; None when no local slot holds it
             if not 0 <= expert < self.num_experts:
                 raise ShardingError(f"expert {expert} is out of range; the config has {self.num_experts} experts")
-            pairs = tuple((src, ((s, s + 1),) + dst, (s, seg)) for s, e in enumerate(held) if e == expert for src, dst, seg in inner.pairs)
-            return Part(pairs, (), inner.expected) if pairs else None
+            slots = [s for s, e in enumerate(held) if e == expert]
+            pairs = tuple((src, ((s, s + 1),) + dst, (s, seg)) for s in slots for src, dst, seg in inner.pairs)
+            zeros = tuple(((s, s + 1),) + z for s in slots for z in inner.zeros)
+            return Part(pairs, zeros, inner.expected, inner.check, repeat=inner.repeat) if slots else None
         pairs = tuple(
             (((e, e + 1),) + src, ((s, s + 1),) + dst, (s, seg)) for s, e in enumerate(held) for src, dst, seg in inner.pairs
         )
-        return Part(pairs, (), (self.num_experts,) + inner.expected)
+        zeros = tuple(((s, s + 1),) + z for s in range(len(held)) for z in inner.zeros)
+        expected = (self.num_experts,) + inner.expected
+        return Part(pairs, zeros, expected, inner.check, transpose=self.input_major, repeat=_lead(inner.repeat))
 
     def tp_dim(self, parallel: Parallel) -> int | None:
-        return 0 if parallel.expert_parallel else self.inner.dim + 1
+        if parallel.expert_parallel:
+            return 0
+        dim = self.inner.tp_dim(parallel.expert_tp)
+        return None if dim is None else dim + 1
+
+    @property
+    def split_dim(self) -> int | None:
+        dim = self.inner.split_dim
+        return None if dim is None else dim + 1
 
     def to_json(self) -> dict[str, Any]:
-        return {"kind": "experts", "num_experts": self.num_experts, "inner": self.inner.to_json()}
+        return {"kind": "experts", "num_experts": self.num_experts, "inner": self.inner.to_json(), "input_major": self.input_major}
+
+
+@dataclass(frozen=True, slots=True)
+class FirstRank(Sharding):
+    """A tensor the first tensor-parallel rank holds and every other rank holds as zeros (vLLM's
+    gpt-oss ``w2_bias``, added once after the row-parallel reduction)."""
+
+    def part(
+        self, shape: tuple[int, ...], shard_id: ShardId | None, expert: int | None, parallel: Parallel, found: tuple[int, ...]
+    ) -> Part:
+        _no_expert(expert)
+        _no_shard_id("first-rank", shard_id)
+        if parallel.rank == 0:
+            return Part(((full_box(shape), full_box(shape), None),), (), shape)
+        return Part((), (full_box(shape),), shape)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "first_rank"}
+
+
+@dataclass(frozen=True, slots=True)
+class Grouped(Sharding):
+    """A tensor the checkpoint stores with its last dimension as ``[n / size, size]`` (MXFP4's
+    ``_blocks``: 16 bytes per 32-value block); ``inner`` describes the parameter, whose slices of
+    that dimension must be whole groups."""
+
+    inner: Sharding
+    size: int
+
+    def local_shape(self, shape: tuple[int, ...], parallel: Parallel) -> tuple[int, ...]:
+        return self.inner.local_shape(shape, parallel)
+
+    def slots(self, parallel: Parallel) -> list[Slot]:
+        return self.inner.slots(parallel)
+
+    def part(
+        self, shape: tuple[int, ...], shard_id: ShardId | None, expert: int | None, parallel: Parallel, found: tuple[int, ...]
+    ) -> Part | None:
+        part = self.inner.part(shape, shard_id, expert, parallel, found)
+        if part is None:
+            return None
+        size = self.size
+
+        def stored(box: Box) -> Box:
+            (a, b) = box[-1]
+            if a % size or b % size:
+                raise ShardingError(f"a slice {a}:{b} of the last dimension is not made of whole groups of {size}")
+            return box[:-1] + ((a // size, b // size), (0, size))
+
+        pairs = tuple((stored(src), dst, slot) for src, dst, slot in part.pairs)
+        expected = part.expected[:-1] + (part.expected[-1] // size, size)
+        return Part(pairs, part.zeros, expected, part.check, part.transpose)
+
+    def segment_ranges(self, shape: tuple[int, ...], parallel: Parallel) -> list[tuple[ShardId | None, Range]]:
+        return self.inner.segment_ranges(shape, parallel)
+
+    def tp_dim(self, parallel: Parallel) -> int | None:
+        return self.inner.tp_dim(parallel)
+
+    @property
+    def split_dim(self) -> int | None:
+        return self.inner.split_dim
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "grouped", "size": self.size, "inner": self.inner.to_json()}

@@ -32,8 +32,8 @@ class Rule:
     * rename: the whole name equals ``pattern``.
     * regex: ``re.search(pattern)``; every occurrence is substituted (``re.sub``).
     * substr: ``pattern in name``; the first occurrence is replaced.
-    * expert: ``pattern`` holds ``{e}``, which matches an expert number; like stacked, and also
-      records the expert id (vLLM's ``make_expert_params_mapping`` as data).
+    * expert: ``pattern`` holds ``{e}``, which matches an expert number; like stacked (shard ids
+      optional), and also records the expert id (vLLM's ``make_expert_params_mapping`` as data).
     * stacked: like substr, and tags the result with ``shard_ids``.
     * prefix: ``name.startswith(pattern)``; the first occurrence is replaced.
     * suffix: ``name.endswith(pattern)``; the last occurrence is replaced.
@@ -50,8 +50,8 @@ class Rule:
         if self.kind in _TAGGING:
             if self.replacement is None:
                 raise ValueError(f"{self.kind} rule {self.pattern!r} cannot drop a tensor (replacement None)")
-            if not self.shard_ids:
-                raise ValueError(f"{self.kind} rule {self.pattern!r} needs at least one shard id")
+            if not self.shard_ids and self.kind == "stacked":
+                raise ValueError(f"stacked rule {self.pattern!r} needs at least one shard id")
         elif self.shard_ids:
             raise ValueError(f"only stacked and expert rules carry shard ids, not {self.kind} rule {self.pattern!r}")
         if self.kind == "expert" and self.pattern.count("{e}") != 1:
@@ -121,12 +121,15 @@ class MappingTable:
     def from_dicts(cls, **kinds: Mapping[str, object]) -> MappingTable:
         """Build from one ``{pattern: replacement}`` dict per kind, in vLLM's spelling.
 
-        Stacked and expert values are ``(replacement, shard_id)`` or ``(replacement, [shard_ids])``.
+        Stacked and expert values are ``(replacement, shard_id)`` or ``(replacement, [shard_ids])``;
+        an expert value may be the replacement alone (a projection that is not part of a fused one).
         """
         rules = []
         for kind in RULE_KINDS:
             for pattern, value in kinds.pop(kind, {}).items():
-                if kind in _TAGGING:
+                if kind == "expert" and isinstance(value, str):
+                    rules.append(Rule(kind, pattern, value))
+                elif kind in _TAGGING:
                     new, ids = cast(tuple[str, Any], value)
                     shard_ids = tuple(ids) if isinstance(ids, (list, tuple)) else (ids,)
                     rules.append(Rule(kind, pattern, new, shard_ids))

@@ -17,7 +17,7 @@ from typing import Any
 from ..errors import ConfigError
 from .mapping import MappingTable
 
-FORMATS = ("fp8", "int8", "pack", "gptq", "awq")
+FORMATS = ("fp8", "int8", "pack", "gptq", "awq", "mxfp4")
 STRATEGIES = ("tensor", "channel", "group", "block")
 
 
@@ -33,6 +33,8 @@ class QuantScheme:
     * ``gptq``: ``qweight [in/pf, out]``, ``qzeros [groups, out/pf]``, ``scales [groups, out]``,
       ``g_idx [in]`` with act-order; ``zero_offset`` 1 for v1 checkpoints (stored zero - 1).
     * ``awq``: ``qweight [in, out/pf]`` (interleaved), ``qzeros``, ``scales``.
+    * ``mxfp4``: OCP MX FP4 MoE experts (gpt-oss): 4-bit values packed two per byte in blocks of
+      32 with one e8m0 (power of two) scale each.
 
     ``online`` FP8 schemes read an unquantized weight and quantize it as it is loaded; their
     scales are derived from the weight, not read.
@@ -115,6 +117,11 @@ class QuantConfig:
     targets: tuple[tuple[str, QuantScheme], ...] = ()  # (regex or name, scheme), compressed-tensors
     kv_params: tuple[KVParam, ...] = ()  # the attention layer's KV-cache parameters (BASE_KV, ...)
     mapping: tuple[MappingTable, ...] = field(default=())
+    kinds: tuple[str, ...] = ("linear", "experts")  # what the method quantizes (MXFP4: experts only)
+
+    def quantizes(self, kind: str) -> bool:
+        """Whether the method quantizes modules of ``kind`` (``"linear"`` or ``"experts"``)."""
+        return kind in self.kinds
 
     def scheme_for(self, module: str, sources: Sequence[str]) -> QuantScheme | None:
         """The scheme of vLLM module ``module`` whose checkpoint parts are ``sources``."""
@@ -173,6 +180,10 @@ def _parse(qc: Mapping[str, Any]) -> QuantConfig:
         return _awq(qc)
     if method == "quark":
         return _quark(qc)
+    if method == "mxfp4":
+        # vLLM's Mxfp4Config quantizes fused MoE experts only; every linear stays unquantized.
+        scheme = QuantScheme("mxfp4", bits=4, strategy="group", group_size=32)
+        return QuantConfig("mxfp4", scheme, _ignore(qc), kinds=("experts",))
     if method == "auto-round":
         packing = str(qc.get("packing_format", "auto_round:auto_gptq")).lower()
         if "awq" in packing:
@@ -180,7 +191,7 @@ def _parse(qc: Mapping[str, Any]) -> QuantConfig:
         return _gptq(qc, v2=False)
     raise ConfigError(
         f"config.json quantization_config.quant_method = {method!r} is not supported; supported: fp8, "
-        f"compressed-tensors, gptq, awq, auto-round, quark (FP8)"
+        f"compressed-tensors, gptq, awq, auto-round, quark (FP8), mxfp4 (MoE experts)"
     )
 
 

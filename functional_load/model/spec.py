@@ -25,7 +25,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-MODULE_KINDS = ("vocab", "column", "merged", "qkv", "row", "replicated_linear", "replicated", "experts", "kv_cache")
+MODULE_KINDS = ("vocab", "column", "merged", "qkv", "row", "replicated_linear", "replicated", "heads", "experts", "kv_cache")
 
 @dataclass(frozen=True, slots=True)
 class ModuleSpec:
@@ -51,6 +51,22 @@ class TieSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class DropSpec:
+    """Checkpoint tensors that are not this model's parameters, with why: every name starting
+    with ``prefix`` for ``{layer}`` in ``[first, stop)`` (expressions over the config), e.g.
+    DeepSeek-V3's multi-token-prediction layers past ``num_hidden_layers``."""
+
+    prefix: str
+    first: str | int
+    stop: str | int
+    reason: str
+
+    def __post_init__(self) -> None:
+        if self.prefix.count("{layer}") != 1:
+            raise ConfigError(f"drop prefix {self.prefix!r} must contain {{layer}} exactly once")
+
+
+@dataclass(frozen=True, slots=True)
 class Stage:
     """One mapping table, applied only when ``when`` (an expression over the config) holds."""
 
@@ -68,6 +84,7 @@ class ArchSpec:
     stages: tuple[Stage, ...]
     tie: TieSpec | None = None
     source: str = ""
+    drops: tuple[DropSpec, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dims", MappingProxyType(dict(self.dims)))
@@ -81,7 +98,9 @@ def _stage(stage: Mapping[str, Any], where: str) -> Stage:
         if kind not in RULE_KINDS:
             raise ConfigError(f"{where}: unknown mapping rule kind {kind!r}; expected one of {RULE_KINDS}")
         for pattern, value in entries.items():
-            if kind in ("stacked", "expert"):
+            if kind == "expert" and isinstance(value, str):
+                rules.append(Rule(kind, pattern, value))
+            elif kind in ("stacked", "expert"):
                 new, ids = value
                 rules.append(Rule(kind, pattern, new, tuple(ids) if isinstance(ids, list) else (ids,)))
             else:
@@ -91,7 +110,7 @@ def _stage(stage: Mapping[str, Any], where: str) -> Stage:
 
 def parse_spec(data: Mapping[str, Any], source: str = "<spec>") -> ArchSpec:
     """Build an :class:`ArchSpec` from parsed TOML, checking every field."""
-    known = {"name", "architectures", "layers", "dims", "modules", "stages", "tie", "extends"}
+    known = {"name", "architectures", "layers", "dims", "modules", "stages", "tie", "extends", "drop"}
     unknown = set(data) - known
     if unknown:
         raise ConfigError(f"{source}: unknown top-level keys {sorted(unknown)}; expected {sorted(known)}")
@@ -110,6 +129,7 @@ def parse_spec(data: Mapping[str, Any], source: str = "<spec>") -> ArchSpec:
             stages=tuple(_stage(stage, f"{source} stage {i}") for i, stage in enumerate(data.get("stages", []))),
             tie=tie,
             source=source,
+            drops=tuple(DropSpec(**d) for d in data.get("drop", [])),
         )
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, ConfigError):

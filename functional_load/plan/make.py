@@ -15,7 +15,7 @@ from ..checkpoint import Checkpoint, TensorInfo
 from ..dtypes import torch_name
 from ..errors import PlanError, ShardingError
 from ..layout.build import Layout, ParamSpec
-from ..layout.segments import Box, box_volume, boxes_overlap, full_box
+from ..layout.segments import Box, box_volume, boxes_overlap, full_box, swap_last
 from ..layout.sharding import Part
 from ..model.mapping import Mapped, map_name
 from .plan import Copy, ParamPlan, Plan, _slices
@@ -38,6 +38,7 @@ def make_plan(layout: Layout, checkpoint: Checkpoint) -> Plan:
     zeros: dict[str, list[Box]] = defaultdict(list)
     checks: dict[str, list[Copy]] = defaultdict(list)
     filled: dict[tuple[str, Any], str] = {}  # (parameter, slot) -> checkpoint tensor
+    shared: set[tuple[str, Box]] = set()  # (parameter, box) already filled by a copy
     used: dict[str, TensorInfo] = {}
     parallel = layout.parallel
 
@@ -55,24 +56,28 @@ def make_plan(layout: Layout, checkpoint: Checkpoint) -> Plan:
             if part is None:
                 dropped.append((name, f"expert {mapped.expert} is not held by rank {parallel.rank}"))
                 continue
-            problem = _mismatch(name, info, spec, part, shard_id)
+            problem = _mismatch(name, info, spec, part, shard_id, layout)
             if problem:
                 problems.append(problem)
                 continue
-            # a vocabulary shard that is all padding takes nothing from the tensor but is complete
-            keys = [(spec.name, slot) for _, _, slot in part.pairs] or [(spec.name, None)] * bool(part.zeros)
+            # a part that is all zeros (a vocabulary shard of padding, gpt-oss w2_bias off the first
+            # rank) takes nothing from the tensor but completes the parameter
+            keys = [(spec.name, slot) for _, _, slot in part.pairs]
+            if not keys and part.zeros:
+                keys = [(spec.name, slot) for slot in spec.sharding.slots(parallel)]
             clash = next((filled[k] for k in keys if k in filled), None)
             if clash is not None:
                 problems.append(f"checkpoint tensors {clash!r} and {name!r} both fill parameter {spec.name}")
                 continue
             filled.update({k: name for k in keys})
+            transpose = spec.transposed or part.transpose
             for src, dst, _ in part.pairs:
-                copy = Copy(name, tuple(reversed(src)) if spec.transposed else src, dst, spec.transposed)
-                if part.check and copies[spec.name]:  # a part stored identically by several tensors
-                    if copy != copies[spec.name][0]:
-                        checks[spec.name].append(copy)
+                copy = Copy(name, swap_last(src) if transpose else src, dst, transpose, part.repeat)
+                if part.check and (spec.name, dst) in shared:  # a part stored identically by several tensors
+                    checks[spec.name].append(copy)
                 else:
                     copies[spec.name].append(copy)
+                    shared.add((spec.name, dst))
             zeros[spec.name].extend(part.zeros)
             used[name] = info
 
@@ -104,6 +109,10 @@ def make_plan(layout: Layout, checkpoint: Checkpoint) -> Plan:
 
 def _route(name: str, layout: Layout, dropped: list[tuple[str, str]], problems: list[str], info: TensorInfo) -> Mapped | None:
     """The parameter a checkpoint tensor goes to, or None (dropped with the reason, or a problem)."""
+    reason = next((why for prefix, why in layout.drops if name.startswith(prefix)), None)
+    if reason is not None:
+        dropped.append((name, reason))
+        return None
     mapped = map_name(layout.mapping, name)
     if mapped is None:
         dropped.append((name, "dropped by a mapping rule (not a parameter, e.g. a rotary cache)"))
@@ -130,9 +139,9 @@ def _part(spec: ParamSpec, checkpoint: Checkpoint, shard_id: Any, expert: int | 
     return spec.sharding.part(spec.shape, shard_id, expert, layout.parallel, info.shape)
 
 
-def _mismatch(name: str, info: TensorInfo, spec: ParamSpec, part: Part, shard_id: Any) -> str | None:
+def _mismatch(name: str, info: TensorInfo, spec: ParamSpec, part: Part, shard_id: Any, layout: Layout) -> str | None:
     """A shape that is not the expected one, or a dtype that cannot become the parameter's."""
-    stored = tuple(reversed(part.expected)) if spec.transposed else part.expected
+    stored = swap_last(part.expected) if spec.transposed or part.transpose else part.expected
     if info.shape != stored:
         what = f" (shard {shard_id!r})" if shard_id is not None else ""
         return (
@@ -146,8 +155,18 @@ def _mismatch(name: str, info: TensorInfo, spec: ParamSpec, part: Part, shard_id
             f"{spec.name} is {spec.dtype}: casting it without its scales would load wrong values. The config's "
             f"quantization_config does not cover this module (or ignores it); fix the config"
         )
+    scheme = layout.schemes.get(spec.module)
+    if spec.dtype in _FP8 and source not in _FP8 and not (scheme is not None and scheme.online):
+        return (
+            f"checkpoint tensor {name!r} in {info.file.name} is {source}, unquantized, but parameter {spec.name} is "
+            f"{spec.dtype}: the quantization config quantizes module {spec.module}, and casting the tensor would load "
+            f"it without its scale (vLLM does, leaving the scale uninitialised). If the module is stored unquantized, "
+            f"list it in quantization_config's ignore list by its full name ({spec.module!r}): vLLM matches that list "
+            f"exactly, so a short name such as 'mlp.gate' does not exclude it"
+        )
     is_float = source.startswith(("float", "bfloat"))
-    if is_float != spec.dtype.startswith(("float", "bfloat")) and source != spec.dtype:
+    metadata = spec.name.endswith("weight_shape")  # an integer shape vLLM keeps in the model dtype (MoE)
+    if is_float != spec.dtype.startswith(("float", "bfloat")) and source != spec.dtype and not metadata:
         return (
             f"checkpoint tensor {name!r} in {info.file.name} has dtype {info.dtype}, which cannot be cast "
             f"to the parameter dtype {spec.dtype} of {spec.name}"
@@ -204,7 +223,8 @@ def _merge_expert_runs(copies: list[Copy]) -> list[Copy]:
         if (
             last is not None
             and last.tensor == c.tensor
-            and len(c.src) == 3
+            and last.repeat == c.repeat
+            and len(c.src) == len(c.dst) >= 3
             and last.src[1:] == c.src[1:]
             and last.dst[1:] == c.dst[1:]
             and last.src[0][1] == c.src[0][0]
@@ -212,7 +232,7 @@ def _merge_expert_runs(copies: list[Copy]) -> list[Copy]:
         ):
             src = ((last.src[0][0], c.src[0][1]),) + c.src[1:]
             dst = ((last.dst[0][0], c.dst[0][1]),) + c.dst[1:]
-            merged[-1] = Copy(c.tensor, src, dst, c.transpose)
+            merged[-1] = Copy(c.tensor, src, dst, c.transpose, c.repeat)
         else:
             merged.append(c)
     return merged

@@ -24,12 +24,26 @@ from ..model.quant import QuantScheme
 @dataclass(frozen=True, slots=True)
 class Copy:
     """Read box ``src`` of checkpoint tensor ``tensor`` (in its stored orientation) into box
-    ``dst`` of the rank-local parameter, transposing a 2-D block when ``transpose``."""
+    ``dst`` of the rank-local parameter, swapping the block's last two dimensions when
+    ``transpose``, and repeating each element ``repeat[d]`` times along source dimension ``d``
+    (the destination takes the first of them)."""
 
     tensor: str
     src: Box
     dst: Box
     transpose: bool = False
+    repeat: tuple[int, ...] = ()
+
+    def arrange(self, block: Any, shape: tuple[int, ...]) -> Any:
+        """``block`` (a torch tensor read as ``src``) in the destination's orientation and ``shape``."""
+        if self.transpose:
+            block = block.transpose(-1, -2)
+        for dim, factor in enumerate(self.repeat):
+            if factor > 1:
+                block = block.repeat_interleave(factor, dim=dim)
+        if self.repeat:
+            block = block[tuple(slice(0, n) for n in shape[len(shape) - block.dim():])]
+        return block.reshape(shape)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +126,7 @@ class Plan:
                             "src": box(c.src),
                             "dst": box(c.dst),
                             "transpose": c.transpose,
+                            "repeat": list(c.repeat),
                             "bytes": self.copy_bytes(c),
                         }
                         for c in p.copies
@@ -137,7 +152,7 @@ class Plan:
                         p.spec.name if i == 0 else "",
                         _shape(p.spec.local_shape) if i == 0 else "",
                         f"{c.tensor} ({self.tensors[c.tensor].file.name})",
-                        f"{_slices(c.src)}{'ᵀ' if c.transpose else ''} -> {_slices(c.dst)}",
+                        f"{_slices(c.src)}{'ᵀ' if c.transpose else ''}{_times(c.repeat)} -> {_slices(c.dst)}",
                         f"{self.copy_bytes(c):,}",
                     )
                 )
@@ -155,6 +170,10 @@ class Plan:
             f"{self.bytes_to_read:,} bytes to read, {self.output_bytes:,} bytes out, {len(self.dropped)} tensors dropped"
         )
         return "\n".join(lines)
+
+
+def _times(repeat: tuple[int, ...]) -> str:
+    return f" x{list(repeat)}" if repeat else ""
 
 
 def _shape(shape: tuple[int, ...]) -> str:

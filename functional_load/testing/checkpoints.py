@@ -10,7 +10,10 @@ holds several ``model-0000i-of-0000n.safetensors`` shards, ``model.safetensors.i
 Tiny sizes (chosen so tensor-parallel sizes 1, 2, 4 and 8 divide every sharded dimension):
 hidden 64, 8 attention heads of head_dim 8, 8 KV heads by default (pass ``kv_heads=2`` for GQA,
 ``kv_heads=1`` for MQA), intermediate 128, vocab 1000 (not a multiple of 64, so vocab padding
-is exercised), 2 layers. MoE: 8 routed experts, top-2, expert intermediate 32.
+is exercised), 2 layers. MoE: 8 routed experts, top-2, expert intermediate 32. The table of
+architectures is :data:`functional_load.testing.archs.ARCHS`. vLLM loads gpt_oss and llama4 at
+tp 1, 2 and 4 only (gpt_oss: its CPU experts need ``128 / tp`` divisible by 32; llama4: 4 vision
+heads).
 
 On-disk tensor layouts (names per layer ``N``; shapes for the defaults, ``kv = kv_heads * 8``):
 
@@ -43,6 +46,49 @@ On-disk tensor layouts (names per layer ``N``; shapes for the defaults, ``kv = k
   ``mlp.experts.E.{gate,up,down}_proj.weight`` as qwen3_moe, ``mlp.shared_experts.{gate,up}_proj
   .weight`` ``[32,64]`` / ``down_proj.weight`` ``[64,32]``, router ``mlp.gate.weight`` ``[8,64]``
   and ``mlp.gate.e_score_correction_bias`` ``[8]`` (saved in the model dtype).
+* glm4_moe (GLM-4.5): attention as qwen2 (``self_attn.{q,k,v}_proj.bias``, no o_proj bias) plus
+  ``self_attn.q_norm.weight`` / ``k_norm.weight`` ``[8]`` (``use_qk_norm=True`` as GLM-4.5; pass
+  ``use_qk_norm=False`` for GLM-4.5-Air, ``attention_bias=False`` to drop the biases); rotary on
+  half of head_dim. MLP as deepseek_v3: layer 0 dense, later layers per-expert experts, shared
+  experts, router ``mlp.gate.weight`` ``[8,64]`` and ``mlp.gate.e_score_correction_bias`` ``[8]``
+  (model dtype here; transformers' ``_keep_in_fp32_modules_strict`` keeps both float32 when a
+  model is loaded with a dtype, and then saves them so). ``num_nextn_predict_layers`` is 0:
+  transformers holds it as ``num_mtp_layers`` and writes it to config.json as
+  ``num_nextn_predict_layers``, but builds no MTP module, so it never writes the
+  ``model.layers.<num_hidden_layers>.*`` MTP weights a real GLM-4.5 checkpoint carries.
+* gpt_oss: experts exist only fused, input-major (``x @ W``) with biases:
+  ``mlp.experts.gate_up_proj`` ``[8,64,256]`` with gate and up INTERLEAVED along the last dim
+  (unit ``j``: gate column ``2j``, up column ``2j+1``), ``mlp.experts.gate_up_proj_bias``
+  ``[8,256]`` (same interleave), ``mlp.experts.down_proj`` ``[8,128,64]``,
+  ``mlp.experts.down_proj_bias`` ``[8,64]``; router ``mlp.router.weight`` ``[8,64]`` and
+  ``mlp.router.bias`` ``[8]``; attention as llama plus ``self_attn.{q,k,v,o}_proj.bias`` ``[64]
+  [kv] [kv] [64]`` and ``self_attn.sinks`` ``[8]`` (one per attention head). Every layer is
+  sparse, expert intermediate 128 (vLLM's CPU experts need ``128 / tp`` divisible by 32);
+  layer_types alternate sliding (window 16, even layers) and full attention; yarn RoPE. vLLM
+  never replicates gpt-oss KV heads: ``kv_heads`` must be a multiple of tp (8 or 4 for tp 4).
+* llama4 (Llama4ForConditionalGeneration, the class of the Scout/Maverick checkpoints): config.json
+  nests the text sizes under ``text_config`` (plus a tiny ``vision_config``); every text tensor
+  is under ``language_model.``: ``language_model.model.embed_tokens.weight`` ``[1000,64]``,
+  ``language_model.model.layers.N.self_attn.{q,k,v,o}_proj.weight`` as llama (no biases; the
+  L2 qk-norm has no weights), ``input_layernorm`` / ``post_attention_layernorm``,
+  ``language_model.model.norm.weight``, ``language_model.lm_head.weight``. Dense layers (0, 2,
+  ...): ``feed_forward.{gate,up}_proj.weight`` ``[128,64]``, ``feed_forward.down_proj.weight``
+  ``[64,128]``. MoE layers (1, 3, ...: ``interleave_moe_layer_step`` 2 as Maverick; Scout has 1),
+  top-1: router ``feed_forward.router.weight`` ``[8,64]``, experts only fused, input-major:
+  ``feed_forward.experts.gate_up_proj`` ``[8,64,64]`` (columns ``[0,32)`` gate, ``[32,64)``
+  up) and ``feed_forward.experts.down_proj`` ``[8,32,64]``, shared expert
+  ``feed_forward.shared_expert.{gate,up}_proj.weight`` ``[32,64]`` / ``down_proj.weight``
+  ``[64,32]``. Vision tower: ``vision_model.patch_embedding.linear.weight`` ``[32,588]``,
+  ``vision_model.{class_embedding [32], positional_embedding_vlm [5,32]}``,
+  ``vision_model.layernorm_{pre,post}.{weight,bias}`` ``[32]``, one encoder layer
+  ``vision_model.model.layers.0.self_attn.{q,k,v,o}_proj.{weight,bias}`` ``[32,32] [32]``,
+  ``mlp.fc1`` ``[128,32] [128]``, ``mlp.fc2`` ``[32,128] [32]``, ``{input,post_attention}_layernorm
+  .{weight,bias}`` ``[32]``; ``vision_model.vision_adapter.mlp.fc1.weight`` ``[64,128]``,
+  ``fc2.weight`` ``[64,64]``; ``multi_modal_projector.linear_1.weight`` ``[64,64]``.
+* llama4_text (Llama4ForCausalLM, model_type ``llama4_text``): the same text model alone, named
+  ``model.*`` and ``lm_head.weight``.
+
+:func:`linear_experts` reads any of these expert layouts as per-expert ``nn.Linear`` weights.
 
 Fused experts (``fused_experts=True``): transformers 5 holds routed experts in memory as 3-D
 tensors but ``save_pretrained`` writes them back per expert (above). With ``fused_experts=True``
@@ -53,22 +99,23 @@ the up projection, each an ``nn.Linear`` weight ``[out, in]``) and
 ``model.layers.N.mlp.experts.down_proj`` of shape ``[E, H, I]`` (no ``.weight`` suffix). For
 mixtral the module is renamed as transformers 5 does: ``block_sparse_moe.`` becomes ``mlp.``
 (so the router is ``mlp.gate.weight``). transformers 5 ``from_pretrained`` loads either layout.
+gpt_oss, llama4 and llama4_text have no per-expert form: ``fused_experts`` changes nothing.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 import torch
 
 from ..dtypes import canonical_dtype
-from .experts import MoeLayout, fuse, has_fused, unfuse
+from .archs import ARCHS, ArchSpec
+from .experts import MoeLayout, fuse, has_fused, linear_experts, unfuse
 from .files import list_tensors, read_checkpoint_tensors, remove_weight_files, write_shards
 
 __all__ = [
@@ -76,140 +123,13 @@ __all__ = [
     "ArchSpec",
     "MoeLayout",
     "fuse_experts",
+    "linear_experts",
     "list_tensors",
     "read_checkpoint_tensors",
     "unfuse_experts",
     "write_checkpoint",
     "write_shards",
 ]
-
-
-
-@dataclass(frozen=True)
-class ArchSpec:
-    """How to build one tiny architecture: transformers class names and tiny config values.
-
-    ``layers_key``/``heads_key``/``kv_heads_key`` are the config.json keys that ``num_layers`` and
-    ``kv_heads`` set (``kv_heads_key`` is None where the architecture has no KV-head count).
-    """
-
-    config_class: str
-    model_class: str
-    config: Mapping[str, Any]
-    layers_key: str = "num_hidden_layers"
-    heads_key: str = "num_attention_heads"
-    kv_heads_key: str | None = "num_key_value_heads"
-    moe: MoeLayout | None = None
-    notes: str = ""
-
-
-_TOKENS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}  # defaults lie outside vocab 1000
-
-_LLAMA_LIKE = {
-    "hidden_size": 64,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 8,
-    "head_dim": 8,
-    "intermediate_size": 128,
-    "vocab_size": 1000,
-    "max_position_embeddings": 64,
-    "tie_word_embeddings": False,
-    **_TOKENS,
-}
-_NO_HEAD_DIM = {k: v for k, v in _LLAMA_LIKE.items() if k != "head_dim"}  # derived as hidden/heads
-
-_QWEN_MOE_EXPERTS = MoeLayout("mlp.experts", "gate_proj", "up_proj", "down_proj")
-
-ARCHS: Mapping[str, ArchSpec] = MappingProxyType(
-    {
-        "llama": ArchSpec("LlamaConfig", "LlamaForCausalLM", MappingProxyType(dict(_LLAMA_LIKE))),
-        "mistral": ArchSpec("MistralConfig", "MistralForCausalLM", MappingProxyType(dict(_LLAMA_LIKE))),
-        "qwen2": ArchSpec(
-            "Qwen2Config", "Qwen2ForCausalLM", MappingProxyType(dict(_NO_HEAD_DIM)),
-            notes="q/k/v projections carry biases",
-        ),
-        "qwen3": ArchSpec(
-            "Qwen3Config", "Qwen3ForCausalLM", MappingProxyType(dict(_LLAMA_LIKE)),
-            notes="per-head q_norm/k_norm RMSNorm weights [head_dim]",
-        ),
-        "phi3": ArchSpec(
-            "Phi3Config", "Phi3ForCausalLM", MappingProxyType(dict(_NO_HEAD_DIM)),
-            notes="fused qkv_proj and gate_up_proj on disk",
-        ),
-        "gpt2": ArchSpec(
-            "GPT2Config",
-            "GPT2LMHeadModel",
-            MappingProxyType(
-                {
-                    "n_embd": 64,
-                    "n_head": 8,
-                    "n_layer": 2,
-                    "n_positions": 64,
-                    "vocab_size": 1000,
-                    "tie_word_embeddings": True,
-                    "bos_token_id": 1,
-                    "eos_token_id": 2,
-                }
-            ),
-            layers_key="n_layer",
-            heads_key="n_head",
-            kv_heads_key=None,
-            notes="Conv1D weights stored [in, out]; n_inner null means 4*n_embd=256; lm_head tied to wte",
-        ),
-        "mixtral": ArchSpec(
-            "MixtralConfig",
-            "MixtralForCausalLM",
-            MappingProxyType(
-                {**_LLAMA_LIKE, "intermediate_size": 32, "num_local_experts": 8, "num_experts_per_tok": 2}
-            ),
-            moe=MoeLayout(
-                "block_sparse_moe.experts", "w1", "w3", "w2",
-                fused_renames=((".block_sparse_moe.", ".mlp."),),
-            ),
-        ),
-        "qwen3_moe": ArchSpec(
-            "Qwen3MoeConfig",
-            "Qwen3MoeForCausalLM",
-            MappingProxyType(
-                {
-                    **_LLAMA_LIKE,
-                    "num_experts": 8,
-                    "num_experts_per_tok": 2,
-                    "moe_intermediate_size": 32,
-                    "decoder_sparse_step": 1,
-                    "mlp_only_layers": [],
-                    "norm_topk_prob": True,
-                }
-            ),
-            moe=_QWEN_MOE_EXPERTS,
-        ),
-        "deepseek_v3": ArchSpec(
-            "DeepseekV3Config",
-            "DeepseekV3ForCausalLM",
-            MappingProxyType(
-                {
-                    **_NO_HEAD_DIM,
-                    "head_dim": 8,  # = qk_rope_head_dim, as transformers derives it
-                    "n_routed_experts": 8,
-                    "num_experts_per_tok": 2,
-                    "moe_intermediate_size": 32,
-                    "n_shared_experts": 1,
-                    "first_k_dense_replace": 1,
-                    "n_group": 2,
-                    "topk_group": 1,
-                    "q_lora_rank": 32,
-                    "kv_lora_rank": 32,
-                    "qk_nope_head_dim": 8,
-                    "qk_rope_head_dim": 8,
-                    "v_head_dim": 8,
-                    "topk_method": "noaux_tc",  # as DeepSeek-V3's release: the router has e_score_correction_bias
-                }
-            ),
-            moe=_QWEN_MOE_EXPERTS,
-            notes="MLA attention (num_key_value_heads is recorded but unused); layer 0 dense",
-        ),
-    }
-)
 
 
 # --------------------------------------------------------------------------------------------
@@ -238,7 +158,10 @@ def write_checkpoint(
     ``randn * 0.02`` from a generator seeded with ``seed``, then cast to ``dtype``; the same
     arguments always give byte-identical tensors. ``max_shard_size`` follows transformers
     (``"100KB"`` = 100,000 bytes). ``fused_experts`` (MoE only) rewrites the routed experts to
-    the 3-D layout described in the module docstring. Existing ``model*.safetensors`` files and
+    the 3-D layout described in the module docstring; it changes nothing for the architectures
+    that exist only fused (gpt_oss, llama4, llama4_text). For a composite config (llama4),
+    ``kv_heads``, ``num_layers`` and the overrides apply to its ``text_config``, except overrides
+    of top-level keys (``vision_config``, ``image_token_index``, ...). Existing ``model*.safetensors`` files and
     the index in ``out_dir`` are replaced; other files are left alone.
     """
     spec = _spec(arch)
@@ -250,7 +173,7 @@ def write_checkpoint(
 
     import transformers
 
-    kwargs = dict(spec.config)
+    kwargs = _plain(spec.config)
     kwargs[spec.layers_key] = num_layers
     if kv_heads is not None:
         heads = kwargs[spec.heads_key]
@@ -263,13 +186,23 @@ def write_checkpoint(
             kwargs[spec.kv_heads_key] = kv_heads
     if tie_word_embeddings is not None:
         kwargs["tie_word_embeddings"] = tie_word_embeddings
-    kwargs.update(config_overrides)
+    if spec.text_config_key is not None:  # composite: sizes and overrides go to the text config
+        outer = _plain(spec.outer_config)
+        if tie_word_embeddings is not None:
+            outer["tie_word_embeddings"] = tie_word_embeddings
+        for key, value in config_overrides.items():
+            (outer if key in outer or key == spec.text_config_key else kwargs)[key] = value
+        kwargs = {**outer, spec.text_config_key: {**kwargs, **outer.get(spec.text_config_key, {})}}
+    else:
+        kwargs.update(config_overrides)
 
     config = getattr(transformers, spec.config_class)(**kwargs)
     torch.manual_seed(seed)
     model = getattr(transformers, spec.model_class)(config)
     _randomize(model, seed)
-    model = model.to(getattr(torch, dtype_name))
+    with warnings.catch_warnings():  # llama4's complex RoPE buffers (not saved) warn when cast
+        warnings.filterwarnings("ignore", message="Casting complex values to real")
+        model = model.to(getattr(torch, dtype_name))
     model.config.dtype = getattr(torch, dtype_name)
 
     out = Path(out_dir)
@@ -279,7 +212,7 @@ def write_checkpoint(
         model.save_pretrained(out, max_shard_size=max_shard_size)
     _set_config_dtype(out / "config.json", dtype_name)
 
-    if spec.moe is not None:
+    if spec.moe is not None and spec.moe.per_expert_prefix is not None:
         tensors = read_checkpoint_tensors(out)
         on_disk_fused = has_fused(tensors, spec.moe)
         if fused_experts and not on_disk_fused:
@@ -287,6 +220,15 @@ def write_checkpoint(
         elif not fused_experts and on_disk_fused:
             write_shards(out, unfuse(tensors, spec.moe), max_shard_size)
     return out
+
+
+def _plain(value: Any) -> Any:
+    """A fresh copy of a config value, mappings as plain dicts (transformers may edit what it gets)."""
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
 
 
 def _spec(arch: str) -> ArchSpec:

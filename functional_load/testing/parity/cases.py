@@ -139,6 +139,18 @@ CASES: tuple[Case, ...] = (
             "hf_fp8_block_ue8m0", "llmc_fp8_kv", "quark_fp8", "quark_native_kv",
         )
     ),
+    # Quantized MoE checkpoints: every expert scheme, with and without expert parallelism.
+    *(
+        Case(f"quant-{name}", fixture=name, tps=(1, 2, 4), options=(Options(), Options(True)),
+             vllm_cannot=_VLLM_CANNOT.get(name, ""))
+        for name in (
+            "llmc_qwen3moe_fp8", "llmc_qwen3moe_fp8_block", "llmc_qwen3moe_w4a16_experts", "llmc_mixtral_fp8_block",
+            "llmc_dsv3_fp8_block", "llmc_dsv3_w4a16_experts", "hf_fp8_dsv3", "hf_fp8_dsv3_mtp", "hf_fp8_qwen3moe",
+            "ar_mixtral_gptq", "ar_mixtral_awq",
+        )
+    ),
+    Case("quant-gptoss_mxfp4", fixture="gptoss_mxfp4", tps=(1, 2, 4), options=(Options(), Options(True)),
+         note="2 KV heads: tp 4 is refused (vLLM replicates no gpt-oss KV head)"),
 )
 
 

@@ -7,7 +7,8 @@ For every job (a model directory, a tensor-parallel size and vLLM options) it bu
 ``VllmConfig`` with ``EngineArgs(...).create_engine_config()``, starts a real one-process world
 (gloo), and for each rank ``r`` replaces ``vllm.distributed.parallel_state._TP`` with a proxy
 over the real group that reports ``world_size=tp`` and ``rank_in_group=r``: every TP getter (and
-the MoE expert-parallel config, which derives from it) reads it at call time. It then builds the
+the MoE expert-parallel config, which derives from it) reads it at call time; with expert
+parallelism ``_EP`` gets the same proxy, for loaders that ask the EP group directly (gpt-oss). It then builds the
 model as ``DefaultModelLoader`` does, fills every parameter with 0xFF bytes (NaN for floats, -1
 for integers, so elements vLLM never writes stand out), runs vLLM's own ``load_weights`` on
 vLLM's own safetensors iterator, and saves the rank's parameters. ``process_weights_after_loading``
@@ -114,8 +115,10 @@ def _build_and_load(cfg: Any, rank: int, tp: int, byte: int | None) -> tuple[Any
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    real = ps._TP
+    real, real_ep = ps._TP, ps._EP
     ps._TP = _TPProxy(real, tp, rank)
+    if cfg.parallel_config.enable_expert_parallel:  # loaders that ask the EP group (gpt-oss) see the same rank
+        ps._EP = _TPProxy(real_ep, tp, rank)
     try:
         cfg.compilation_config.static_forward_context.clear()
         loader = DefaultModelLoader(cfg.load_config)
@@ -126,7 +129,7 @@ def _build_and_load(cfg: Any, rank: int, tp: int, byte: int | None) -> tuple[Any
             _fill(model, byte)
         loader.load_weights(model, cfg.model_config)
     finally:
-        ps._TP = real
+        ps._TP, ps._EP = real, real_ep
     return model, created
 
 
@@ -204,15 +207,20 @@ def _placements(model: Any) -> dict[str, Any]:
 
 def _kernels_available() -> None:
     """Let vLLM pick its CPU kernels for layers this CPU has none for (FP8 block layers need AMX
-    tiles; int4 MoE experts an Arm CPU): only the layers' weights are created and loaded here,
+    tiles; int4 MoE experts an Arm CPU or a GPU): only the layers' weights are created and loaded here,
     no kernel ever runs, and the loaded layout does not depend on the kernel."""
     import torch
     import vllm._custom_ops as ops
+    import vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe.compressed_tensors_moe_wna16 as ct_wna16
     from vllm.model_executor.layers.fused_moe.experts.cpu_int4_moe import CPUExpertsInt4
+    from vllm.model_executor.layers.fused_moe.oracle.int_wna16 import WNA16MoEBackend
 
     torch.cpu._is_amx_tile_supported = lambda: True
     ops._supports_cpu_fp8_w8a16 = True
     CPUExpertsInt4.is_supported_config = classmethod(lambda cls, *args, **kwargs: (True, None))
+    # compressed-tensors int4 experts: every backend allocates the same N-first layout
+    # ([E, N, K/8] packed weights, [E, N, groups] scales); the CPU one is picked.
+    ct_wna16.select_wna16_moe_backend = lambda *args, **kwargs: (WNA16MoEBackend.CPU, CPUExpertsInt4)
 
 
 def run(jobs: list[dict[str, Any]], out_dir: Path) -> None:

@@ -1,0 +1,249 @@
+"""The tiny architectures :func:`functional_load.testing.checkpoints.write_checkpoint` builds.
+
+Each :class:`ArchSpec` names the transformers config and model classes and the tiny config
+values; the on-disk tensor names and shapes they give are listed in the docstring of
+:mod:`functional_load.testing.checkpoints`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from .experts import MoeLayout
+
+__all__ = ["ARCHS", "ArchSpec"]
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """How to build one tiny architecture: transformers class names and tiny config values.
+
+    ``layers_key``/``heads_key``/``kv_heads_key`` are the config.json keys that ``num_layers`` and
+    ``kv_heads`` set (``kv_heads_key`` is None where the architecture has no KV-head count).
+    ``text_config_key`` names the nested config of a composite model (Llama 4's ``text_config``):
+    ``config``, ``num_layers``, ``kv_heads``, ``tie_word_embeddings`` and the overrides then go
+    there, except overrides named in ``outer_config`` (or ``text_config_key`` itself), which go
+    to the top-level config together with ``outer_config``. None: the config is flat.
+    """
+
+    config_class: str
+    model_class: str
+    config: Mapping[str, Any]
+    layers_key: str = "num_hidden_layers"
+    heads_key: str = "num_attention_heads"
+    kv_heads_key: str | None = "num_key_value_heads"
+    moe: MoeLayout | None = None
+    notes: str = ""
+    text_config_key: str | None = None
+    outer_config: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+
+_TOKENS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}  # defaults lie outside vocab 1000
+
+_LLAMA_LIKE = {
+    "hidden_size": 64,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "head_dim": 8,
+    "intermediate_size": 128,
+    "vocab_size": 1000,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
+    **_TOKENS,
+}
+_NO_HEAD_DIM = {k: v for k, v in _LLAMA_LIKE.items() if k != "head_dim"}  # derived as hidden/heads
+
+_QWEN_MOE_EXPERTS = MoeLayout("mlp.experts", "gate_proj", "up_proj", "down_proj")
+
+# Llama 4 text model: layer 0 dense (intermediate_size_mlp), layer 1 MoE (interleave step 2, as
+# Maverick; Scout has step 1, every layer MoE) with a shared expert; top-1 routing as both.
+_LLAMA4_TEXT = {
+    **_LLAMA_LIKE,
+    "intermediate_size": 32,  # routed and shared experts
+    "intermediate_size_mlp": 128,  # dense layers
+    "num_local_experts": 8,
+    "num_experts_per_tok": 1,
+    "interleave_moe_layer_step": 2,
+    "attention_chunk_size": 16,  # chunked local attention on the RoPE layers
+}
+# The vision tower of Llama4ForConditionalGeneration: 4 heads (vLLM splits them over tp);
+# intermediate = hidden / pixel_shuffle_ratio**2, which the pixel-shuffle adapter needs.
+_LLAMA4_VISION = {
+    "hidden_size": 32,
+    "num_attention_heads": 4,
+    "num_hidden_layers": 1,
+    "intermediate_size": 128,
+    "image_size": 28,
+    "patch_size": 14,
+    "vision_output_dim": 64,
+    "projector_input_dim": 64,
+    "projector_output_dim": 64,
+}
+_LLAMA4_EXPERTS = MoeLayout(None, fused_prefix="feed_forward.experts", input_major=True)
+
+ARCHS: Mapping[str, ArchSpec] = MappingProxyType(
+    {
+        "llama": ArchSpec("LlamaConfig", "LlamaForCausalLM", MappingProxyType(dict(_LLAMA_LIKE))),
+        "mistral": ArchSpec("MistralConfig", "MistralForCausalLM", MappingProxyType(dict(_LLAMA_LIKE))),
+        "qwen2": ArchSpec(
+            "Qwen2Config", "Qwen2ForCausalLM", MappingProxyType(dict(_NO_HEAD_DIM)),
+            notes="q/k/v projections carry biases",
+        ),
+        "qwen3": ArchSpec(
+            "Qwen3Config", "Qwen3ForCausalLM", MappingProxyType(dict(_LLAMA_LIKE)),
+            notes="per-head q_norm/k_norm RMSNorm weights [head_dim]",
+        ),
+        "phi3": ArchSpec(
+            "Phi3Config", "Phi3ForCausalLM", MappingProxyType(dict(_NO_HEAD_DIM)),
+            notes="fused qkv_proj and gate_up_proj on disk",
+        ),
+        "gpt2": ArchSpec(
+            "GPT2Config",
+            "GPT2LMHeadModel",
+            MappingProxyType(
+                {
+                    "n_embd": 64,
+                    "n_head": 8,
+                    "n_layer": 2,
+                    "n_positions": 64,
+                    "vocab_size": 1000,
+                    "tie_word_embeddings": True,
+                    "bos_token_id": 1,
+                    "eos_token_id": 2,
+                }
+            ),
+            layers_key="n_layer",
+            heads_key="n_head",
+            kv_heads_key=None,
+            notes="Conv1D weights stored [in, out]; n_inner null means 4*n_embd=256; lm_head tied to wte",
+        ),
+        "mixtral": ArchSpec(
+            "MixtralConfig",
+            "MixtralForCausalLM",
+            MappingProxyType(
+                {**_LLAMA_LIKE, "intermediate_size": 32, "num_local_experts": 8, "num_experts_per_tok": 2}
+            ),
+            moe=MoeLayout(
+                "block_sparse_moe.experts", "w1", "w3", "w2",
+                fused_renames=((".block_sparse_moe.", ".mlp."),),
+            ),
+        ),
+        "qwen3_moe": ArchSpec(
+            "Qwen3MoeConfig",
+            "Qwen3MoeForCausalLM",
+            MappingProxyType(
+                {
+                    **_LLAMA_LIKE,
+                    "num_experts": 8,
+                    "num_experts_per_tok": 2,
+                    "moe_intermediate_size": 32,
+                    "decoder_sparse_step": 1,
+                    "mlp_only_layers": [],
+                    "norm_topk_prob": True,
+                }
+            ),
+            moe=_QWEN_MOE_EXPERTS,
+        ),
+        "deepseek_v3": ArchSpec(
+            "DeepseekV3Config",
+            "DeepseekV3ForCausalLM",
+            MappingProxyType(
+                {
+                    **_NO_HEAD_DIM,
+                    "head_dim": 8,  # = qk_rope_head_dim, as transformers derives it
+                    "n_routed_experts": 8,
+                    "num_experts_per_tok": 2,
+                    "moe_intermediate_size": 32,
+                    "n_shared_experts": 1,
+                    "first_k_dense_replace": 1,
+                    "n_group": 2,
+                    "topk_group": 1,
+                    "q_lora_rank": 32,
+                    "kv_lora_rank": 32,
+                    "qk_nope_head_dim": 8,
+                    "qk_rope_head_dim": 8,
+                    "v_head_dim": 8,
+                    "topk_method": "noaux_tc",  # as DeepSeek-V3's release: the router has e_score_correction_bias
+                }
+            ),
+            moe=_QWEN_MOE_EXPERTS,
+            notes="MLA attention (num_key_value_heads is recorded but unused); layer 0 dense",
+        ),
+        "gpt_oss": ArchSpec(
+            "GptOssConfig",
+            "GptOssForCausalLM",
+            MappingProxyType(
+                {
+                    **_LLAMA_LIKE,
+                    # vLLM's CPU experts for swigluoai need intermediate / tp divisible by 32
+                    "intermediate_size": 128,
+                    "num_local_experts": 8,
+                    "num_experts_per_tok": 2,
+                    "sliding_window": 16,  # layer_types default: sliding on even layers, full on odd
+                    "attention_bias": True,
+                    "rope_parameters": {  # yarn, as gpt-oss; sized so that 32 * factor = max positions
+                        "rope_type": "yarn",
+                        "rope_theta": 150000.0,
+                        "factor": 2.0,
+                        "original_max_position_embeddings": 32,
+                        "beta_fast": 32.0,
+                        "beta_slow": 1.0,
+                        "truncate": False,
+                    },
+                }
+            ),
+            moe=MoeLayout(None, input_major=True, interleaved=True, biases=True),
+            notes="experts only fused, input-major, gate/up interleaved, with biases; attention sinks; "
+            "vLLM never replicates KV heads, so kv_heads must be a multiple of tp",
+        ),
+        "llama4": ArchSpec(
+            "Llama4Config",
+            "Llama4ForConditionalGeneration",
+            MappingProxyType(dict(_LLAMA4_TEXT)),
+            moe=_LLAMA4_EXPERTS,
+            notes="Llama 4 Scout/Maverick class: text model under language_model. plus a tiny vision tower",
+            text_config_key="text_config",
+            outer_config=MappingProxyType(
+                {
+                    "vision_config": MappingProxyType(_LLAMA4_VISION),
+                    "boi_token_index": 997,  # inside the tiny vocabulary
+                    "eoi_token_index": 998,
+                    "image_token_index": 999,
+                    "tie_word_embeddings": False,
+                }
+            ),
+        ),
+        "llama4_text": ArchSpec(
+            "Llama4TextConfig",
+            "Llama4ForCausalLM",
+            MappingProxyType(dict(_LLAMA4_TEXT)),
+            moe=_LLAMA4_EXPERTS,
+            notes="the llama4 text model alone (model_type llama4_text), no language_model. prefix",
+        ),
+        "glm4_moe": ArchSpec(
+            "Glm4MoeConfig",
+            "Glm4MoeForCausalLM",
+            MappingProxyType(
+                {
+                    **_LLAMA_LIKE,
+                    "n_routed_experts": 8,
+                    "num_experts_per_tok": 2,
+                    "moe_intermediate_size": 32,
+                    "n_shared_experts": 1,
+                    "first_k_dense_replace": 1,
+                    "n_group": 1,
+                    "topk_group": 1,
+                    "norm_topk_prob": True,
+                    "attention_bias": True,  # q/k/v biases, as GLM-4.5
+                    "use_qk_norm": True,  # as GLM-4.5 (GLM-4.5-Air: False)
+                    "num_nextn_predict_layers": 0,  # transformers' num_mtp_layers; it writes no MTP weights
+                }
+            ),
+            moe=_QWEN_MOE_EXPERTS,
+            notes="partial rotary 0.5; layer 0 dense; router gate.weight + e_score_correction_bias",
+        ),
+    }
+)
