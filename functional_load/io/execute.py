@@ -67,7 +67,8 @@ def split_copy(copy: Copy, nbytes_per_element: int, chunk: int) -> list[Copy]:
     lead = max(0, len(copy.dst) - len(copy.src))
     dim = lead + (1 if copy.transpose and len(copy.src) == 2 else 0)
     (s0, s1), (d0, _) = copy.src[0], copy.dst[dim]
-    cuts = [s0 + (s1 - s0) * i // parts for i in range(parts + 1)]
+    unit = copy.rotary or 1  # whole heads when rows are permuted within a head
+    cuts = [s0 + (s1 - s0) // unit * i // parts * unit for i in range(parts)] + [s1]
     return [
         Copy(
             copy.tensor,
@@ -75,6 +76,7 @@ def split_copy(copy: Copy, nbytes_per_element: int, chunk: int) -> list[Copy]:
             copy.dst[:dim] + ((d0 + a - s0, d0 + b - s0),) + copy.dst[dim + 1 :],
             copy.transpose,
             copy.repeat,
+            copy.rotary,
         )
         for a, b in zip(cuts, cuts[1:])
         if b > a

@@ -89,7 +89,7 @@ def _instances(spec: ArchSpec, scope: Scope, num_layers: int) -> Iterator[tuple[
             for module in run:
                 if "when" in module.fields and not evaluate(module.fields["when"], layer_scope):
                     continue
-                yield module, module.pattern.replace("{layer}", str(layer)), layer_scope
+                yield module, spec.prefix + module.pattern.replace("{layer}", str(layer)), layer_scope
 
 
 def model_tp_sizes(
@@ -180,8 +180,8 @@ def build_layout(
         raise ShardingError("\n".join([head, *(f"  - {p}" for p in problems), tail]))
     aliases = {}
     if spec.tie is not None and evaluate(spec.tie.when, scope):
-        params.pop(spec.tie.alias, None)
-        aliases[spec.tie.alias] = spec.tie.target
+        params.pop(spec.prefix + spec.tie.alias, None)
+        aliases[spec.prefix + spec.tie.alias] = spec.prefix + spec.tie.target
     quant_stages = quant.mapping if quant else ()
     mapping = (ROTARY_CACHES, *quant_stages, *stages)
     return Layout(spec.name, parallel, dtype, params, mapping, aliases, schemes, _drops(spec, scope))
@@ -194,5 +194,8 @@ def _drops(spec: ArchSpec, scope: Scope) -> tuple[tuple[str, str], ...]:
         first, stop = scope.int(drop.first, f"{spec.name} drop.first"), scope.int(drop.stop, f"{spec.name} drop.stop")
         if stop - first > MAX_LAYERS:
             raise ConfigError(f"{spec.name}: drop rule {drop.prefix!r} spans {stop - first} layers; config.json is corrupt")
+        if "{layer}" not in drop.prefix:
+            out.append((drop.prefix, drop.reason))
+            continue
         out += [(drop.prefix.replace("{layer}", str(n)), drop.reason) for n in range(first, stop)]
     return tuple(out)

@@ -2,7 +2,8 @@
 
 A tiny subset of Python over config keys and earlier dims: names, numbers, ``+ - * // %``,
 comparisons (``in`` too), ``and``/``or``/``not`` and ``x if c else y``. A missing config key is
-``None``, so ``"num_key_value_heads or num_attention_heads"`` is a fallback.
+``None``, so ``"num_key_value_heads or num_attention_heads"`` is a fallback; a key the config
+lacks at the top level is read from its ``text_config`` (multimodal models).
 """
 
 from __future__ import annotations
@@ -108,7 +109,11 @@ class Scope(Mapping[str, Any]):
                 finally:
                     self._busy.discard(name)
             return self._cache[name]
-        return self._config.get(name)
+        value = self._config.get(name)
+        text = self._config.get("text_config")
+        if value is None and isinstance(text, Mapping):  # a multimodal model's language model (Llama 4)
+            value = text.get(name)
+        return value
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._dims)

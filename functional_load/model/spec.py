@@ -53,17 +53,18 @@ class TieSpec:
 @dataclass(frozen=True, slots=True)
 class DropSpec:
     """Checkpoint tensors that are not this model's parameters, with why: every name starting
-    with ``prefix`` for ``{layer}`` in ``[first, stop)`` (expressions over the config), e.g.
-    DeepSeek-V3's multi-token-prediction layers past ``num_hidden_layers``."""
+    with ``prefix``, for each ``{layer}`` in ``[first, stop)`` (expressions over the config) when
+    the prefix has one: e.g. DeepSeek-V3's multi-token-prediction layers past ``num_hidden_layers``,
+    or a multimodal checkpoint's ``vision_model.``."""
 
     prefix: str
-    first: str | int
-    stop: str | int
     reason: str
+    first: str | int = 0
+    stop: str | int = 1
 
     def __post_init__(self) -> None:
-        if self.prefix.count("{layer}") != 1:
-            raise ConfigError(f"drop prefix {self.prefix!r} must contain {{layer}} exactly once")
+        if self.prefix.count("{layer}") > 1:
+            raise ConfigError(f"drop prefix {self.prefix!r} may contain {{layer}} once at most")
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +86,7 @@ class ArchSpec:
     tie: TieSpec | None = None
     source: str = ""
     drops: tuple[DropSpec, ...] = ()
+    prefix: str = ""  # before every module and tied name: a multimodal model's language model ("language_model.")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dims", MappingProxyType(dict(self.dims)))
@@ -110,7 +112,7 @@ def _stage(stage: Mapping[str, Any], where: str) -> Stage:
 
 def parse_spec(data: Mapping[str, Any], source: str = "<spec>") -> ArchSpec:
     """Build an :class:`ArchSpec` from parsed TOML, checking every field."""
-    known = {"name", "architectures", "layers", "dims", "modules", "stages", "tie", "extends", "drop"}
+    known = {"name", "architectures", "layers", "dims", "modules", "stages", "tie", "extends", "drop", "prefix"}
     unknown = set(data) - known
     if unknown:
         raise ConfigError(f"{source}: unknown top-level keys {sorted(unknown)}; expected {sorted(known)}")
@@ -130,6 +132,7 @@ def parse_spec(data: Mapping[str, Any], source: str = "<spec>") -> ArchSpec:
             tie=tie,
             source=source,
             drops=tuple(DropSpec(**d) for d in data.get("drop", [])),
+            prefix=str(data.get("prefix", "")),
         )
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, ConfigError):

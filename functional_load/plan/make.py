@@ -72,7 +72,7 @@ def make_plan(layout: Layout, checkpoint: Checkpoint) -> Plan:
             filled.update({k: name for k in keys})
             transpose = spec.transposed or part.transpose
             for src, dst, _ in part.pairs:
-                copy = Copy(name, swap_last(src) if transpose else src, dst, transpose, part.repeat)
+                copy = Copy(name, swap_last(src) if transpose else src, dst, transpose, part.repeat, part.rotary)
                 if part.check and (spec.name, dst) in shared:  # a part stored identically by several tensors
                     checks[spec.name].append(copy)
                 else:
@@ -232,7 +232,7 @@ def _merge_expert_runs(copies: list[Copy]) -> list[Copy]:
         ):
             src = ((last.src[0][0], c.src[0][1]),) + c.src[1:]
             dst = ((last.dst[0][0], c.dst[0][1]),) + c.dst[1:]
-            merged[-1] = Copy(c.tensor, src, dst, c.transpose, c.repeat)
+            merged[-1] = Copy(c.tensor, src, dst, c.transpose, c.repeat, c.rotary)
         else:
             merged.append(c)
     return merged

@@ -26,16 +26,22 @@ class Copy:
     """Read box ``src`` of checkpoint tensor ``tensor`` (in its stored orientation) into box
     ``dst`` of the rank-local parameter, swapping the block's last two dimensions when
     ``transpose``, and repeating each element ``repeat[d]`` times along source dimension ``d``
-    (the destination takes the first of them)."""
+    (the destination takes the first of them). ``rotary``: the source rows are heads of this many
+    rows with their rotary pairs interleaved; the destination holds each head's halves (vLLM's
+    Llama 4 loader permutes q and k so)."""
 
     tensor: str
     src: Box
     dst: Box
     transpose: bool = False
     repeat: tuple[int, ...] = ()
+    rotary: int = 0
 
     def arrange(self, block: Any, shape: tuple[int, ...]) -> Any:
         """``block`` (a torch tensor read as ``src``) in the destination's orientation and ``shape``."""
+        if self.rotary:
+            rows = block.shape[0]
+            block = block.reshape(rows // self.rotary, self.rotary // 2, 2, -1).transpose(1, 2).reshape(block.shape)
         if self.transpose:
             block = block.transpose(-1, -2)
         for dim, factor in enumerate(self.repeat):
@@ -127,6 +133,7 @@ class Plan:
                             "dst": box(c.dst),
                             "transpose": c.transpose,
                             "repeat": list(c.repeat),
+                            "rotary": c.rotary,
                             "bytes": self.copy_bytes(c),
                         }
                         for c in p.copies

@@ -129,6 +129,10 @@ CASES: tuple[Case, ...] = (
          note="transformers 5 3-D expert tensors"),
     Case("deepseek_v3", "deepseek_v3", {}, options=MOE, note="q_lora_rank 32, 2 expert groups"),
     Case("deepseek_v2_lite", "deepseek_v3", {"q_lora_rank": None}, options=MOE, note="q_lora_rank null"),
+    Case("gpt_oss", "gpt_oss", {}, tps=(1, 2, 4), options=MOE[:2], note="fused input-major experts, gate/up interleaved, biases"),
+    Case("llama4_text", "llama4_text", {"kv_heads": 2}, tps=(1, 2, 4), options=MOE[:2],
+         note="MoE every 2nd layer, shared expert, fused input-major experts, q/k rows permuted to rotary halves"),
+    Case("glm4_moe", "glm4_moe", {"kv_heads": 2}, tps=(1, 2, 4), options=MOE[:2], note="float32 router, qk-norm, shared expert"),
     # Quantized dense checkpoints written by the real tools.
     *(
         Case(f"quant-{name}", fixture=name, tps=(1, 2, 4), options=_QUANT_OPTIONS.get(name, DENSE),
