@@ -138,6 +138,11 @@ def _experts_scheme(module: ModuleSpec, name: str, quant: QuantConfig | None, st
         if rule.kind == "expert"
     ] or [name]
     schemes = {s: quant.scheme_for(s, [s]) for s in sources}
+    if any(s is not None and s.online for s in schemes.values()):
+        raise ConfigError(
+            f"{name}: quantizing MoE experts while loading ({quant.method}) is not supported yet; vLLM would "
+            "quantize them too, so loading them unquantized would not match it. Load without quantization="
+        )
     if len(set(schemes.values())) > 1:
         raise ConfigError(
             f"{name}: its expert projections have different quantization schemes ({schemes}); vLLM quantizes an MoE "

@@ -43,13 +43,18 @@ def unpack_int32(words: Any, bits: int, dim: int, interleave: tuple[int, ...] | 
 
 
 def dequantize(state: Mapping[str, Any], module_prefix: str) -> Any:
-    """The dense float32 weight ``[out_local, in_local]`` of a rank-local linear module.
+    """The dense float32 weight ``[out_local, in_local]`` of a rank-local linear module, or for an
+    MoE layer's experts (``"model.layers.1.mlp.experts"``) the pair ``(w13, w2)``: ``w13
+    [E_local, 2 * I_local, H]`` (gate rows then up rows, or interleaved as gpt-oss stores them)
+    and ``w2 [E_local, H, I_local]``.
 
     ``state`` is what :func:`functional_load.load` returned (quantized modules need its
     ``state.plan``); ``module_prefix`` names the module, e.g. ``"model.layers.0.self_attn.qkv_proj"``.
     """
     plan = getattr(state, "plan", None)
     scheme = plan.schemes.get(module_prefix) if plan is not None else None
+    if f"{module_prefix}.routed_experts.w13_{'weight' if scheme is None else _weight_name(scheme)}" in state:
+        return tuple(_expert_stem(state, plan, module_prefix, scheme, stem) for stem in ("w13", "w2"))
     if scheme is None:
         weight = state.get(f"{module_prefix}.weight")
         if weight is None:
@@ -154,3 +159,67 @@ def _awq(scheme: QuantScheme, get: Any) -> Any:
     scales = get("scales").float()
     g = _groups_of(q.shape[0], scheme, scales.shape[0])
     return ((q - zeros[g]).float() * scales[g]).T.contiguous()
+
+
+FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0-7; bit 3 is the sign
+
+
+def _weight_name(scheme: QuantScheme) -> str:
+    return {"pack": "weight_packed", "gptq": "qweight", "awq": "qweight"}.get(scheme.format, "weight")
+
+
+def _expert_stem(state: Mapping[str, Any], plan: Any, module: str, scheme: QuantScheme | None, stem: str) -> Any:
+    """One of an MoE layer's fused expert weights (``w13`` or ``w2``), dense float32 ``[E_local, out, in]``."""
+    import torch
+
+    prefix = f"{module}.routed_experts.{stem}_"
+    if scheme is None:
+        return state[prefix + "weight"].float()
+    get = _getter(state, module + ".routed_experts")
+    if scheme.format == "mxfp4":
+        return _mxfp4(get(f"{stem}_weight"), get(f"{stem}_weight_scale"))
+    if scheme.format in ("fp8", "int8"):
+        weight, scale = get(f"{stem}_weight").float(), get(f"{stem}_{scheme.scale_name}").float()
+        if scheme.strategy == "channel":
+            return weight * scale
+        if scheme.strategy == "block":
+            grid = plan.param(prefix + scheme.scale_name).spec.sharding.inner.grid(plan.parallel.expert_tp)
+            return weight * _expand_blocks(scale, weight.shape, grid, halves=stem == "w13")
+        if stem == "w13" and scale.dim() == 2:  # a scale per expert and shard: w1's rows, then w3's
+            half = weight.shape[1] // 2
+            per_row = scale.repeat_interleave(half, dim=1)
+            return weight * per_row[:, :, None]
+        return weight * scale.reshape(-1, 1, 1)
+    dense = {"pack": _pack_quantized, "gptq": _gptq, "awq": _awq}[scheme.format]
+    experts = state[prefix + _weight_name(scheme)].shape[0]
+
+    def expert(slot: int) -> Any:
+        return dense(scheme, lambda suffix: get(f"{stem}_{suffix}")[slot])
+
+    return torch.stack([expert(s) for s in range(experts)]) if experts else torch.empty(0)
+
+
+def _expand_blocks(scale: Any, shape: tuple[int, ...], grid: tuple[int, int], halves: bool) -> Any:
+    """Block scales ``[E, rows, cols]`` over a weight ``[E, out, in]``: each scale covers a ``grid``
+    block; w13's scale rows are w1's blocks, then w3's, each half of the weight."""
+    import torch
+
+    rn, rk = grid
+    _, out, inp = shape
+    parts = scale.chunk(2, dim=1) if halves else (scale,)
+    rows = out // len(parts)
+    expanded = torch.cat([p.repeat_interleave(rn, dim=1)[:, :rows] for p in parts], dim=1)
+    return expanded.repeat_interleave(rk, dim=2)[:, :, :inp]
+
+
+def _mxfp4(blocks: Any, scales: Any) -> Any:
+    """MXFP4 ``[E, out, in/2]`` bytes (two e2m1 codes, the low nibble first) with e8m0 scales
+    ``[E, out, in/32]`` (``2 ** (byte - 127)``) as float32 ``[E, out, in]``."""
+    import torch
+
+    magnitude = torch.tensor(FP4_E2M1, dtype=torch.float32)
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).reshape(*blocks.shape[:-1], -1).long()
+    values = magnitude[codes & 7] * torch.where(codes & 8 > 0, -1.0, 1.0)
+    factor = torch.exp2(scales.float() - 127.0).repeat_interleave(32, dim=-1)
+    return values * factor
+

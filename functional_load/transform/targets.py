@@ -11,6 +11,10 @@
 * ``"rocm-fp8"``: the same after converting e4m3fn to e4m3fnuz (bits reinterpreted, weight and
   input scales doubled, KV-cache scales doubled, e8m0 block scales + 1 exponent).
 
+FP8 MoE experts follow vLLM's fused-MoE processing for its Triton kernels: per-tensor ``w13`` is
+requantized per expert to the larger of its w1/w3 scales (``w13_weight_scale [E]``), static input
+scales become their max over the layer's experts, and weights stay ``[E, out, in]``.
+
 :func:`functional_load.dequantize` gives the same dense weight for every target.
 """
 
@@ -50,6 +54,9 @@ def apply_target(plan: Plan, tensors: Mapping[str, Any], target: str) -> dict[st
     for module, scheme in plan.schemes.items():
         if scheme.format != "fp8":
             continue
+        if f"{module}.routed_experts.w13_weight" in out:
+            _experts(out, f"{module}.routed_experts.", scheme, fnuz, transforms)
+            continue
         weight_name, scale_name = f"{module}.weight", f"{module}.{scheme.scale_name}"
         weight, scale = to_jax(out[weight_name]), out[scale_name]
         if fnuz:
@@ -84,3 +91,29 @@ def _kv_scales(k: Any, v: Any) -> tuple[Any, Any]:
         return k.new_ones(k.shape), v.new_ones(v.shape)
     both = k.maximum(v)
     return both.clone(), both.clone()
+
+
+def _experts(out: dict[str, Any], prefix: str, scheme: Any, fnuz: bool, transforms: Any) -> None:
+    """vLLM's FP8 MoE ``process_weights_after_loading`` (Triton layout): on ROCm the weights become
+    e4m3fnuz with doubled scales; per-tensor w13 is requantized per expert to the larger of its
+    w1/w3 scales (``w13_weight_scale [E]``) and static input scales become their max over experts.
+    Channel and block scales keep their layout."""
+    import torch
+
+    scale = scheme.scale_name
+    for stem in ("w13", "w2"):
+        weight_name, scale_name = f"{prefix}{stem}_weight", f"{prefix}{stem}_{scale}"
+        if fnuz:
+            out[weight_name] = to_torch(transforms.e4m3fn_to_e4m3fnuz(to_jax(out[weight_name])))
+            s = out[scale_name]
+            out[scale_name] = to_torch(transforms.e8m0_scales_to_fnuz(to_jax(s))) if s.dtype == torch.float8_e8m0fnu else s * 2
+        if f"{prefix}{stem}_input_scale" in out:
+            inputs = out[f"{prefix}{stem}_input_scale"]
+            out[f"{prefix}{stem}_input_scale"] = (inputs * 2 if fnuz else inputs).max()
+    w13, w13_scale = f"{prefix}w13_weight", f"{prefix}w13_{scale}"
+    if scheme.strategy == "tensor" and out[w13].shape[0]:
+        weight, max_scales = transforms.requantize_experts_with_max_scale(to_jax(out[w13]), to_jax(out[w13_scale].contiguous()))
+        out[w13], out[w13_scale] = to_torch(weight), to_torch(max_scales).clone()
+    elif scheme.strategy == "tensor":
+        out[w13_scale] = out[w13_scale].new_empty((0,))
+
