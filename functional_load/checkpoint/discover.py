@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
-from ..errors import CheckpointError, ConfigError, FormatError, MissingFileError, SecurityError
+from ..errors import CheckpointError, FormatError, MissingFileError, SecurityError
+from ..model.config import LOAD_FORMATS, checkpoint_format
 from ..paths import check_contained, strict_json_loads
 
-LOAD_FORMATS = ("auto", "hf", "safetensors", "mistral", "pt")
+__all__ = ["LOAD_FORMATS", "WeightFiles", "discover", "natural_sort_key"]
 
 # Resolved format -> glob patterns, tried in order; the first that yields files wins (vLLM 1.2 step 4/7).
 PATTERNS: dict[str, tuple[str, ...]] = {
@@ -49,15 +50,6 @@ class WeightFiles:
 def natural_sort_key(name: str) -> tuple[str | int, ...]:
     """Sort key that orders digit runs numerically (``model-2`` before ``model-10``), as vLLM does."""
     return tuple(int(part) if i % 2 else part for i, part in enumerate(re.split(r"(\d+)", name)))
-
-
-def _resolve_format(directory: Path, load_format: str) -> str:
-    if not isinstance(load_format, str) or load_format.lower() not in LOAD_FORMATS:
-        raise ConfigError(f"Unknown load_format {load_format!r}; use one of {', '.join(LOAD_FORMATS)}")
-    fmt = load_format.lower()
-    if fmt == "auto":
-        return "mistral" if _glob(directory, "consolidated*.safetensors") else "hf"
-    return fmt
 
 
 def _glob(directory: Path, pattern: str) -> list[Path]:
@@ -110,10 +102,12 @@ def discover(model_dir: str | os.PathLike, load_format: str = "auto") -> WeightF
     directory = Path(model_dir)
     if not directory.is_dir():
         raise MissingFileError(f"Checkpoint directory {str(directory)!r} does not exist or is not a directory")
-    fmt = _resolve_format(directory, load_format)
+    fmt = checkpoint_format(directory, load_format)
     patterns = PATTERNS[fmt]
     for pattern in patterns:
         files = [p for p in _glob(directory, pattern) if not p.name.endswith(TRAINING_FILE_SUFFIXES)]
+        if fmt != "mistral" and any(not p.name.startswith("consolidated") for p in files):
+            files = [p for p in files if not p.name.startswith("consolidated")]  # Mistral's own copy of the same weights
         if files:
             break
     else:

@@ -15,6 +15,7 @@ from typing import Any
 from ..errors import ConfigError, ShardingError
 from ..model.expressions import Scope, evaluate
 from ..model.mapping import ROTARY_CACHES, MappingTable
+from ..model.mistral import MISTRAL_NAMES
 from ..model.quant import QuantConfig, QuantScheme
 from ..model.spec import ArchSpec, ModuleSpec
 from ..vllm_target import VLLM_VERSION
@@ -93,13 +94,15 @@ def _instances(spec: ArchSpec, scope: Scope, num_layers: int) -> Iterator[tuple[
 
 
 def model_tp_sizes(
-    config: Mapping[str, Any], spec: ArchSpec, parallel: Parallel, dtype: str, quant: QuantConfig | None, up_to: int = 64
+    config: Mapping[str, Any], spec: ArchSpec, parallel: Parallel, dtype: str, quant: QuantConfig | None, up_to: int = 64,
+    load_format: str = "hf",
 ) -> list[int]:
     """Every tp size that divides every module of the model (for error messages)."""
     sizes = []
     for tp in range(1, up_to + 1):
         try:
-            build_layout(config, spec, replace(parallel, tp_size=tp, rank=0, num_redundant_experts=0), dtype, quant, report=False)
+            one = replace(parallel, tp_size=tp, rank=0, num_redundant_experts=0)
+            build_layout(config, spec, one, dtype, quant, report=False, load_format=load_format)
         except (ShardingError, ConfigError):
             continue
         sizes.append(tp)
@@ -131,9 +134,10 @@ def _served_placement(spec: ArchSpec, scope: Scope, parallel: Parallel, warn: bo
 
 def build_layout(
     config: Mapping[str, Any], spec: ArchSpec, parallel: Parallel, dtype: str, quant: QuantConfig | None = None,
-    *, report: bool = True,
+    *, report: bool = True, load_format: str = "hf",
 ) -> Layout:
-    """Every parameter of ``parallel.rank``; ``quant`` decides each linear's quantized tensors.
+    """Every parameter of ``parallel.rank``; ``quant`` decides each linear's quantized tensors;
+    ``load_format`` is the checkpoint's (``"mistral"``: Mistral's own names, mapped first).
     Divisibility problems of all modules are collected and raised together as one ShardingError."""
     scope = Scope(config, spec.dims)
     stages = tuple(stage.table for stage in spec.stages if evaluate(stage.when, scope))
@@ -176,14 +180,16 @@ def build_layout(
         raise ShardingError(problems[0])
     if problems:
         head = f"{spec.name} does not shard over tp_size={parallel.tp_size}:"
-        tail = f"tp sizes (up to 64) that work for the whole model: {model_tp_sizes(config, spec, parallel, dtype, quant)}"
+        sizes = model_tp_sizes(config, spec, parallel, dtype, quant, load_format=load_format)
+        tail = f"tp sizes (up to 64) that work for the whole model: {sizes}"
         raise ShardingError("\n".join([head, *(f"  - {p}" for p in problems), tail]))
     aliases = {}
     if spec.tie is not None and evaluate(spec.tie.when, scope):
         params.pop(spec.prefix + spec.tie.alias, None)
         aliases[spec.prefix + spec.tie.alias] = spec.prefix + spec.tie.target
     quant_stages = quant.mapping if quant else ()
-    mapping = (ROTARY_CACHES, *quant_stages, *stages)
+    formats = (MISTRAL_NAMES,) if load_format == "mistral" else ()
+    mapping = (*formats, ROTARY_CACHES, *quant_stages, *stages)
     return Layout(spec.name, parallel, dtype, params, mapping, aliases, schemes, _drops(spec, scope))
 
 

@@ -17,7 +17,7 @@ from ..model.spec import ModuleSpec
 from .experts import expert_params
 from .schemes import Linear, ParamDef, quant_params
 from .segments import Segment
-from .sharding import Replicated, RotaryHalves, Sharding, Split, VocabSplit
+from .sharding import Replicated, Sharding, Split, VocabSplit
 
 
 def _linear(module: ModuleSpec, scope: Scope) -> Linear:
@@ -46,11 +46,8 @@ def _linear(module: ModuleSpec, scope: Scope) -> Linear:
     return Linear(kind, in_size, segments, bool(f.get("disable_tp", False)))
 
 
-def _linear_params(
-    linear: Linear, scheme: QuantScheme | None, model_dtype: str, has_bias: bool, rotary: int = 0
-) -> list[ParamDef]:
-    """Weight (or the scheme's quantized tensors) and the unquantized bias; with ``rotary`` (a
-    head size), q/k rows are permuted from interleaved rotary pairs to halves (Llama 4)."""
+def _linear_params(linear: Linear, scheme: QuantScheme | None, model_dtype: str, has_bias: bool) -> list[ParamDef]:
+    """Weight (or the scheme's quantized tensors) and the unquantized bias."""
     if linear.kind == "row":
         weight: Sharding = Split(1, (Segment(0, linear.in_size, label="input columns"),))
         bias: Sharding = Replicated()
@@ -63,14 +60,6 @@ def _linear_params(
         params = [ParamDef("weight", (linear.out_size, linear.in_size), weight, model_dtype)]
     else:
         params = quant_params(scheme, linear, model_dtype)
-    if rotary:
-        if scheme is not None and scheme.strategy == "block":
-            raise ConfigError("q/k rows permuted for rotary halves (Llama 4) cannot carry block scales; vLLM cannot either")
-        params = [
-            p._replace(sharding=RotaryHalves(p.sharding, rotary)) if p.suffix in ("weight", "weight_packed")
-            or (p.suffix == "weight_scale" and len(p.shape) == 2) else p
-            for p in params
-        ]
     if has_bias:
         params.append(ParamDef("bias", (linear.out_size,), bias, model_dtype))
     return params
@@ -110,8 +99,7 @@ def module_params(
     scheme = quant.scheme_for(name, _checkpoint_modules(name, layout_stages)) if quant and quantized else None
     if scheme is not None:
         schemes[name] = scheme
-    rotary = linear.segments[0].unit if evaluate(f.get("rotary_halves", False), scope) else 0
-    return _linear_params(linear, scheme, dtype, bool(evaluate(f.get("bias", False), scope)), rotary)
+    return _linear_params(linear, scheme, dtype, bool(evaluate(f.get("bias", False), scope)))
 
 
 def _checkpoint_modules(module: str, stages: tuple[MappingTable, ...]) -> list[str]:

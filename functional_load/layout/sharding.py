@@ -97,6 +97,11 @@ class Sharding:
     def describe(self, slot: Slot, parallel: Parallel) -> str:
         return f"segment {slot!r}"
 
+    def unit_rows(self, shard_id: ShardId | None) -> int:
+        """Rows per unit (a head) of what ``shard_id`` fills, along the split dimension 0; 0 when
+        rows are not split in units (a tensor whose rows cannot be permuted within a head)."""
+        return 0
+
     def to_json(self) -> dict[str, Any]:
         return {"kind": "replicated"}
 
@@ -194,6 +199,10 @@ class Split(Sharding):
 
     def segment_ranges(self, shape: tuple[int, ...], parallel: Parallel) -> list[tuple[ShardId | None, Range]]:
         return [(p.segment, p.dst) for p in self.pieces(parallel)]
+
+    def unit_rows(self, shard_id: ShardId | None) -> int:
+        units = {s.unit for s in self.segments if s.id in self.segment_ids(shard_id)}
+        return units.pop() if self.dim == 0 and len(units) == 1 else 0
 
     def tp_dim(self, parallel: Parallel) -> int | None:
         return None if self.disable_tp else self.dim
@@ -376,46 +385,3 @@ class Grouped(Sharding):
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": "grouped", "size": self.size, "inner": self.inner.to_json()}
-
-
-@dataclass(frozen=True, slots=True)
-class RotaryHalves(Sharding):
-    """A q/k projection tensor (split by ``inner``) whose checkpoint rows hold each head's rotary
-    pairs interleaved, which vLLM's Llama 4 loader permutes to halves: parts ``ids`` of
-    ``head_dim`` rows per head are permuted as they are read; other parts are copied as stored."""
-
-    inner: Sharding
-    head_dim: int
-    ids: tuple[ShardId, ...] = ("q", "k")
-
-    def local_shape(self, shape: tuple[int, ...], parallel: Parallel) -> tuple[int, ...]:
-        return self.inner.local_shape(shape, parallel)
-
-    def slots(self, parallel: Parallel) -> list[Slot]:
-        return self.inner.slots(parallel)
-
-    def part(
-        self, shape: tuple[int, ...], shard_id: ShardId | None, expert: int | None, parallel: Parallel, found: tuple[int, ...]
-    ) -> Part | None:
-        part = self.inner.part(shape, shard_id, expert, parallel, found)
-        if part is None or shard_id not in self.ids:
-            if shard_id is None:
-                raise ShardingError("q/k rows stored fused with v cannot be permuted for rotary halves; store q, k, v apart")
-            return part
-        if self.head_dim % 2:
-            raise ShardingError(f"a head of {self.head_dim} rows has no rotary halves")
-        return Part(part.pairs, part.zeros, part.expected, part.check, part.transpose, part.repeat, rotary=self.head_dim)
-
-    def segment_ranges(self, shape: tuple[int, ...], parallel: Parallel) -> list[tuple[ShardId | None, Range]]:
-        return self.inner.segment_ranges(shape, parallel)
-
-    def tp_dim(self, parallel: Parallel) -> int | None:
-        return self.inner.tp_dim(parallel)
-
-    @property
-    def split_dim(self) -> int | None:
-        return self.inner.split_dim
-
-    def to_json(self) -> dict[str, Any]:
-        return {"kind": "rotary_halves", "head_dim": self.head_dim, "ids": list(self.ids), "inner": self.inner.to_json()}
-

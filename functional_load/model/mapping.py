@@ -1,10 +1,13 @@
 """Name mapping tables: checkpoint names to destination names (vLLM ``WeightsMapper`` semantics).
 
 A table is data: an ordered tuple of rules. Rule kinds apply in a fixed order
-(rename -> regex -> substr -> expert -> stacked -> prefix -> suffix); within a kind every matching rule
-applies, each one seeing the previous result. A rule whose replacement is ``None`` drops the
-tensor. A stacked rule also tags the tensor with the shard id(s) it fills in a fused parameter;
-an expert rule (``.experts.{e}.w1.weight``) also records which expert the tensor belongs to.
+(interleaved -> rename -> regex -> substr -> expert -> stacked -> prefix -> suffix); within a kind
+every matching rule applies, each one seeing the previous result. A rule whose replacement is
+``None`` drops the tensor. A stacked rule also tags the tensor with the shard id(s) it fills in a
+fused parameter; an expert rule (``.experts.{e}.w1.weight``) also records which expert the tensor
+belongs to; an interleaved rule (a regex) renames nothing and marks a q/k tensor whose rows hold
+each head's rotary pairs interleaved, which vLLM permutes to halves as it loads them (Llama 4,
+Mistral's own format).
 
 Tables compose with ``|`` (later rules replace earlier ones with the same pattern) and run in
 stages with :func:`map_name`, which is how vLLM keeps cache-scale renames ahead of the stacked
@@ -20,8 +23,8 @@ from typing import Any, Literal, cast
 
 ShardId = int | str  # which part of a fused parameter a tensor fills: "q", "k", "v", 0, 1...
 
-RuleKind = Literal["rename", "regex", "substr", "expert", "stacked", "prefix", "suffix"]
-RULE_KINDS: tuple[RuleKind, ...] = ("rename", "regex", "substr", "expert", "stacked", "prefix", "suffix")
+RuleKind = Literal["interleaved", "rename", "regex", "substr", "expert", "stacked", "prefix", "suffix"]
+RULE_KINDS: tuple[RuleKind, ...] = ("interleaved", "rename", "regex", "substr", "expert", "stacked", "prefix", "suffix")
 _TAGGING = ("expert", "stacked")  # kinds that carry shard ids and cannot drop
 
 
@@ -56,8 +59,10 @@ class Rule:
             raise ValueError(f"only stacked and expert rules carry shard ids, not {self.kind} rule {self.pattern!r}")
         if self.kind == "expert" and self.pattern.count("{e}") != 1:
             raise ValueError(f"expert rule {self.pattern!r} must contain {{e}} exactly once")
-        if self.kind == "regex":
+        if self.kind in ("regex", "interleaved"):
             re.compile(self.pattern)
+        if self.kind == "interleaved" and self.replacement is not None:
+            raise ValueError(f"interleaved rule {self.pattern!r} renames nothing (replacement must be None)")
 
     def _expert_regex(self) -> re.Pattern[str]:
         before, after = self.pattern.split("{e}")
@@ -74,7 +79,7 @@ class Rule:
             return self._expert_regex().search(name) is not None
         if self.kind == "rename":
             return name == self.pattern
-        if self.kind == "regex":
+        if self.kind in ("regex", "interleaved"):
             return re.search(self.pattern, name) is not None
         if self.kind == "prefix":
             return name.startswith(self.pattern)
@@ -106,6 +111,7 @@ class Mapped:
     name: str
     shard_ids: tuple[ShardId, ...] = ()
     expert: int | None = None
+    interleaved: bool = False  # rows hold rotary pairs interleaved per head: permute to halves on load
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +135,8 @@ class MappingTable:
             for pattern, value in kinds.pop(kind, {}).items():
                 if kind == "expert" and isinstance(value, str):
                     rules.append(Rule(kind, pattern, value))
+                elif kind == "interleaved":
+                    rules.append(Rule(kind, pattern, None))
                 elif kind in _TAGGING:
                     new, ids = cast(tuple[str, Any], value)
                     shard_ids = tuple(ids) if isinstance(ids, (list, tuple)) else (ids,)
@@ -143,9 +151,13 @@ class MappingTable:
         """Apply the table to one name; ``None`` means the tensor is dropped."""
         shard_ids: tuple[ShardId, ...] = ()
         expert = None
+        interleaved = False
         for kind in RULE_KINDS:
             for rule in self.rules:
                 if rule.kind != kind or not rule.matches(name):
+                    continue
+                if kind == "interleaved":
+                    interleaved = True
                     continue
                 if rule.replacement is None:
                     return None
@@ -154,7 +166,7 @@ class MappingTable:
                 name = rule.apply(name)
                 if rule.shard_ids:
                     shard_ids = rule.shard_ids
-        return Mapped(name, shard_ids, expert)
+        return Mapped(name, shard_ids, expert, interleaved)
 
     def __or__(self, other: MappingTable) -> MappingTable:
         """Merge: ``other``'s rules replace ours with the same kind and pattern; new ones follow."""
@@ -184,6 +196,7 @@ def map_name(stages: Stages, name: str) -> Mapped | None:
             result,
             shard_ids=result.shard_ids or mapped.shard_ids,
             expert=result.expert if result.expert is not None else mapped.expert,
+            interleaved=result.interleaved or mapped.interleaved,
         )
     return mapped
 

@@ -102,6 +102,8 @@ def _stage(stage: Mapping[str, Any], where: str) -> Stage:
         for pattern, value in entries.items():
             if kind == "expert" and isinstance(value, str):
                 rules.append(Rule(kind, pattern, value))
+            elif kind == "interleaved":
+                rules.append(Rule(kind, pattern, None))
             elif kind in ("stacked", "expert"):
                 new, ids = value
                 rules.append(Rule(kind, pattern, new, tuple(ids) if isinstance(ids, list) else (ids,)))

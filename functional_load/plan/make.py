@@ -9,6 +9,7 @@ gives a parameter on a rank is the parameter's slice descriptor's business
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 from typing import Any
 
 from ..checkpoint import Checkpoint, TensorInfo
@@ -39,11 +40,12 @@ def make_plan(layout: Layout, checkpoint: Checkpoint) -> Plan:
     checks: dict[str, list[Copy]] = defaultdict(list)
     filled: dict[tuple[str, Any], str] = {}  # (parameter, slot) -> checkpoint tensor
     shared: set[tuple[str, Box]] = set()  # (parameter, box) already filled by a copy
+    unplaced: list[tuple[str, TensorInfo, str]] = []  # checkpoint tensors with no destination
     used: dict[str, TensorInfo] = {}
     parallel = layout.parallel
 
     for name, info in checkpoint.tensors.items():
-        mapped = _route(name, layout, dropped, problems, info)
+        mapped = _route(name, layout, dropped, unplaced, info)
         if mapped is None:
             continue
         spec = layout.params[mapped.name]
@@ -56,6 +58,8 @@ def make_plan(layout: Layout, checkpoint: Checkpoint) -> Plan:
             if part is None:
                 dropped.append((name, f"expert {mapped.expert} is not held by rank {parallel.rank}"))
                 continue
+            if mapped.interleaved and spec.sharding.unit_rows(shard_id) and len(info.shape) and info.shape[0] > 1:
+                part = replace(part, rotary=spec.sharding.unit_rows(shard_id))
             problem = _mismatch(name, info, spec, part, shard_id, layout)
             if problem:
                 problems.append(problem)
@@ -81,6 +85,7 @@ def make_plan(layout: Layout, checkpoint: Checkpoint) -> Plan:
             zeros[spec.name].extend(part.zeros)
             used[name] = info
 
+    problems[:0] = _unplaced(unplaced, layout)
     fills = _completeness(layout, checkpoint, filled, copies, zeros, problems)
     if problems:
         raise PlanError(problems)
@@ -107,7 +112,9 @@ def make_plan(layout: Layout, checkpoint: Checkpoint) -> Plan:
     )
 
 
-def _route(name: str, layout: Layout, dropped: list[tuple[str, str]], problems: list[str], info: TensorInfo) -> Mapped | None:
+def _route(
+    name: str, layout: Layout, dropped: list[tuple[str, str]], unplaced: list[tuple[str, TensorInfo, str]], info: TensorInfo
+) -> Mapped | None:
     """The parameter a checkpoint tensor goes to, or None (dropped with the reason, or a problem)."""
     reason = next((why for prefix, why in layout.drops if name.startswith(prefix)), None)
     if reason is not None:
@@ -127,7 +134,7 @@ def _route(name: str, layout: Layout, dropped: list[tuple[str, str]], problems: 
     elif mapped.name.endswith(IGNORED_WHEN_UNEXPECTED):
         dropped.append((name, f"{mapped.name}: the quantization method has no such KV-cache parameter (vLLM ignores it)"))
     else:
-        problems.append(_unexpected(name, info, mapped.name, layout))
+        unplaced.append((name, info, mapped.name))
     return None
 
 
@@ -252,6 +259,21 @@ def _coverage_problem(spec: ParamSpec, copies: list[Copy], zeros: list[Box]) -> 
     if covered != total:
         return f"{spec.name}: the planned slices cover {covered} of its {total} elements"
     return None
+
+
+MAX_LISTED = 8  # more tensors with no destination than this are summed up in one problem
+
+
+def _unplaced(unplaced: list[tuple[str, TensorInfo, str]], layout: Layout) -> list[str]:
+    """One problem per checkpoint tensor with no destination, or one for all of them when there
+    are many (a wrong architecture or checkpoint format, not a few stray tensors)."""
+    if len(unplaced) <= MAX_LISTED:
+        return [_unexpected(name, info, mapped, layout) for name, info, mapped in unplaced]
+    files = sorted({info.file.name for _, info, _ in unplaced})
+    return [
+        f"{len(unplaced)} checkpoint tensors (of {_abbreviate(files, 3)}) have no destination in {layout.arch}, e.g. "
+        f"{_abbreviate([repr(n) for n, _, _ in unplaced], MAX_LISTED)}; its parameters: {_abbreviate(sorted(layout.params), 6)}"
+    ]
 
 
 def _unexpected(name: str, info: TensorInfo, mapped: str, layout: Layout) -> str:

@@ -79,7 +79,7 @@ def _weight_files(path: Path) -> list[Path]:
     if index.exists():
         weight_map = json.loads(index.read_text())["weight_map"]
         return [path / f for f in sorted(set(weight_map.values()))]
-    files = sorted(path.glob("*.safetensors"))
+    files = sorted(p for p in path.glob("*.safetensors") if not p.name.startswith("consolidated"))
     if not files:
         raise FileNotFoundError(f"no safetensors files in {path}")
     return files
