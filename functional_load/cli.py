@@ -14,18 +14,20 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from .api import load, plan, weight_dtypes
+from .api import load, plan, resolve_model_dir, weight_dtypes
 from .checkpoint.discover import discover
 from .checkpoint.index import index_checkpoint
 from .checkpoint.sharded import read_manifest, sharded_checkpoint
-from .errors import LoadError, ShardingError
-from .model.config import model_directory, model_dtype, read_config
+from .errors import ConfigError, LoadError, ShardingError
+from .model.config import model_dtype, read_config
 from .model.spec import spec_for_config
 from .verify import verify_ranks
 
 
 def _inspect(args: argparse.Namespace) -> None:
-    directory = model_directory(args.model_dir)
+    if args.load_format.lower() == "dummy":
+        raise ConfigError("inspect lists a checkpoint's files and tensors; --load-format dummy reads none (use plan or load)")
+    directory = resolve_model_dir(args.model_dir, args.revision, args.load_format)
     config = read_config(directory)
     spec = spec_for_config(config)
     manifest = read_manifest(directory)
@@ -47,7 +49,9 @@ def _inspect(args: argparse.Namespace) -> None:
 
 
 def _plan(args: argparse.Namespace) -> None:
-    the_plan = plan(args.model_dir, tp_size=args.tp, rank=args.rank, dtype=args.dtype, load_format=args.load_format)
+    the_plan = plan(
+        args.model_dir, tp_size=args.tp, rank=args.rank, dtype=args.dtype, load_format=args.load_format, revision=args.revision
+    )
     print(json.dumps(the_plan.to_json(), indent=1) if args.json else the_plan.table())
 
 
@@ -55,7 +59,10 @@ def _load(args: argparse.Namespace) -> None:
     from safetensors.torch import save_file
 
     start = time.perf_counter()
-    state = load(args.model_dir, tp_size=args.tp, rank=args.rank, dtype=args.dtype, load_format=args.load_format, progress=True)
+    state = load(
+        args.model_dir, tp_size=args.tp, rank=args.rank, dtype=args.dtype, load_format=args.load_format, progress=True,
+        revision=args.revision,
+    )
     seconds = time.perf_counter() - start
     tensors = {name: t.contiguous() for name, t in state.unique().items()}  # safetensors refuses shared storage
     first = {id(t): name for name, t in tensors.items()}
@@ -71,7 +78,7 @@ def _load(args: argparse.Namespace) -> None:
 def _verify(args: argparse.Namespace) -> None:
     if not 0 <= args.rank < args.tp:
         raise ShardingError(f"--rank {args.rank} is not a rank of --tp {args.tp}; pick a rank in 0..{args.tp - 1}")
-    report = verify_ranks(args.model_dir, tp_size=args.tp, dtype=args.dtype, load_format=args.load_format)
+    report = verify_ranks(args.model_dir, tp_size=args.tp, dtype=args.dtype, load_format=args.load_format, revision=args.revision)
     print(report.plans[args.rank].table())
     print()
     print(report.summary())
@@ -104,8 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     def add(name: str, help: str, rank: bool = True):
         p = sub.add_parser(name, help=help)
-        p.add_argument("model_dir", help="checkpoint directory (config.json + weight files)")
-        p.add_argument("--load-format", default="auto", help="auto | hf | safetensors | mistral | pt")
+        p.add_argument("model_dir", help="checkpoint directory (config.json + weight files), or a Hugging Face Hub repo id org/name")
+        p.add_argument(
+            "--load-format", default="auto", help="auto | hf | safetensors | mistral | pt | dummy (config only, vLLM's dummy weights)"
+        )
+        p.add_argument("--revision", default=None, help="branch, tag or commit of a Hub repo id (default: main)")
         if rank:
             p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
             p.add_argument("--rank", type=int, default=0, help="tensor-parallel rank")

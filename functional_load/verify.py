@@ -13,8 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .api import plan as make_plan
+from .api import resolve_model_dir
 from .checkpoint import FileSpan, PickleEntry, SavedBoxes, TensorInfo
 from .checkpoint.pickles import safe_torch_load
+from .errors import ConfigError
 from .io import ReadOptions, execute, reader_for
 from .plan import Plan
 
@@ -79,9 +81,16 @@ def reference_tensor(info: TensorInfo) -> Any:
     return whole
 
 
-def verify_ranks(model_dir: Any, *, tp_size: int = 1, dtype: Any = None, load_format: str = "auto") -> VerifyReport:
-    """Plan and load every rank of ``tp_size`` and check them against the checkpoint."""
+def verify_ranks(
+    model_dir: Any, *, tp_size: int = 1, dtype: Any = None, load_format: str = "auto", revision: str | None = None
+) -> VerifyReport:
+    """Plan and load every rank of ``tp_size`` and check them against the checkpoint (``model_dir``
+    may be a Hugging Face Hub repo id at ``revision``, as for :func:`functional_load.plan`)."""
     import torch
+
+    if isinstance(load_format, str) and load_format.lower() == "dummy":
+        raise ConfigError("verify checks ranks against a checkpoint; load_format='dummy' reads none (plan or load it instead)")
+    model_dir = resolve_model_dir(model_dir, revision, load_format)
 
     plans, states, reads, seconds = [], [], [], []
     for rank in range(tp_size):

@@ -110,19 +110,19 @@ def execute(
     own_reader = reader is None
     reader = reader or reader_for(plan, options)
     bar = None
-    if show_progress(progress, plan.bytes_to_read):
+    reads = plan.bytes_to_read > 0  # a dummy plan reads nothing (no bar, no look at the filesystem)
+    if reads and show_progress(progress, plan.bytes_to_read):
         from tqdm.auto import tqdm
 
         bar = tqdm(total=plan.bytes_to_read, unit="B", unit_scale=True, desc=f"rank {plan.parallel.rank} load")
     later = [p for p in plan.params if consume is not None and consumed(p)]
     skip = {p.spec.name for p in later}
     fixed = [p for p in plan.params if not p.spec.derived and p.spec.name not in skip]
-    prefetcher = Prefetcher(plan, options) if should_prefetch(options, plan.model_dir, plan.bytes_to_read) else None
+    prefetcher = Prefetcher(plan, options) if reads and should_prefetch(options, plan.model_dir, plan.bytes_to_read) else None
     start = time.perf_counter()
     try:
         out = allocate([p.spec for p in fixed])
-        for param in fixed:
-            prepare(param, out[param.spec.name])
+        _prepare(fixed, out, options.threads)
         for param in (p for p in fixed if is_scale(p)):  # scales first: a bad one stops the load early
             for copy in param.copies:
                 copy_into(plan, out[param.spec.name], copy, reader)
@@ -161,6 +161,18 @@ def execute(
         state[alias] = state[target]
     out_bytes = sum(t.numel() * t.element_size() for t in {id(t): t for t in state.values()}.values())
     return state, LoadStats(read_seconds, transform_seconds, bytes_read, out_bytes, prefetched)
+
+
+def _prepare(params: list[ParamPlan], out: dict[str, Any], threads: int) -> None:
+    """Defaults, padding and dummy values; dummy values (one generator per parameter, so the
+    order does not matter) are drawn on ``threads`` threads."""
+    if threads <= 1 or not any(p.dummy is not None for p in params):
+        for param in params:
+            prepare(param, out[param.spec.name])
+        return
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="functional-load-dummy") as pool:
+        for future in [pool.submit(prepare, p, out[p.spec.name]) for p in params]:
+            future.result()
 
 
 def _element_bytes(plan: Plan, copy: Copy) -> int:

@@ -15,6 +15,7 @@ from ..dtypes import to_torch, torch_itemsize, torch_name
 from ..errors import CheckpointError
 from ..layout.segments import Box, box_volume, full_box
 from ..plan.plan import Copy, ParamPlan, Plan
+from .dummy import initialize_dummy
 from .reader import Reader
 
 # Parameters that hold quantization scales (the last part of the name ends so: MoE experts'
@@ -80,7 +81,9 @@ def copy_into(plan: Plan, tensor: Any, copy: Copy, reader: Reader) -> None:
 
 
 def prepare(param: ParamPlan, tensor: Any) -> None:
-    """Defaults and zero boxes (vocabulary padding), before any copy."""
+    """Defaults, zero boxes (vocabulary padding) and dummy values, before any copy."""
+    if param.dummy is not None:
+        initialize_dummy(tensor, param.dummy)
     if param.fill is not None:
         tensor.fill_(param.fill)
     for box in param.zeros:

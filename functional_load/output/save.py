@@ -104,6 +104,8 @@ def _write(states: Iterator[Any], out: Path, model_dir: Path | None) -> Path:
             plan = state.plan
             if getattr(state, "target", "checkpoint") != "checkpoint":
                 raise ConfigError("save_sharded saves checkpoint-layout loads only (target='checkpoint')")
+            if plan.dummy:
+                raise ConfigError("save_sharded saves a checkpoint's tensors; a load_format='dummy' load has none to save")
             first_plan = first_plan or plan
             if model_dir is None:
                 model_dir = Path(plan.model_dir)

@@ -53,15 +53,33 @@ class Copy:
 
 
 @dataclass(frozen=True, slots=True)
+class Dummy:
+    """vLLM's dummy initialisation of one parameter (``load_format="dummy"``, vLLM's
+    ``initialize_single_dummy_weight``): a floating parameter takes ``uniform_(low, high)`` from a
+    CPU generator seeded with ``seed`` for this parameter alone, drawn on its rank-local shape
+    (formats under 16 bits drawn in float16, then cast); any other parameter is zero."""
+
+    low: float = -1e-3
+    high: float = 1e-3
+    seed: int = 1234
+
+    def describe(self, dtype: str) -> str:
+        if dtype.startswith(("float", "bfloat")):
+            return f"dummy uniform [{self.low:g}, {self.high:g}), seed {self.seed}"
+        return "dummy zeros"
+
+
+@dataclass(frozen=True, slots=True)
 class ParamPlan:
     """How one parameter of one rank is filled: copies, plus boxes that are zero (vocab padding),
-    or a default value when the checkpoint does not have it."""
+    or a default value when the checkpoint does not have it, or dummy values (no copies)."""
 
     spec: ParamSpec
     copies: tuple[Copy, ...]
     zeros: tuple[Box, ...] = ()
     fill: float | None = None  # the whole parameter takes this value (a default, e.g. KV scale 1.0)
     checks: tuple[Copy, ...] = ()  # read and compared with what the copies wrote (Shared tensors)
+    dummy: Dummy | None = None  # load_format="dummy": vLLM's dummy values, nothing is read
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +104,11 @@ class Plan:
         object.__setattr__(self, "schemes", MappingProxyType(dict(self.schemes)))
         object.__setattr__(self, "checksums", MappingProxyType(dict(self.checksums)))
         object.__setattr__(self, "_index", MappingProxyType({p.spec.name: p for p in self.params}))
+
+    @property
+    def dummy(self) -> bool:
+        """A dummy load's plan (``load_format="dummy"``): every parameter takes vLLM's dummy values."""
+        return bool(self.params) and all(p.dummy is not None for p in self.params)
 
     def param(self, name: str) -> ParamPlan:
         """The plan of one parameter, by name (KeyError if the rank has no such parameter)."""
@@ -116,6 +139,7 @@ class Plan:
             "arch": self.arch,
             **self.parallel.to_json(),
             "dtype": self.dtype,
+            "dummy": self.dummy,
             "bytes_to_read": self.bytes_to_read,
             "output_bytes": self.output_bytes,
             "params": [
@@ -140,6 +164,7 @@ class Plan:
                     ],
                     "zeros": [box(z) for z in p.zeros],
                     "fill": p.fill,
+                    "dummy": None if p.dummy is None else {"low": p.dummy.low, "high": p.dummy.high, "seed": p.dummy.seed},
                 }
                 for p in self.params
             ],
@@ -167,6 +192,8 @@ class Plan:
                 rows.append(("", "", "(zero padding)", f"-> {_slices(z)}", "0"))
             if p.fill is not None:
                 rows.append((p.spec.name, _shape(p.spec.local_shape), f"(default {p.fill})", "", "0"))
+            if p.dummy is not None:
+                rows.append((p.spec.name, _shape(p.spec.local_shape), f"({p.dummy.describe(p.spec.dtype)})", "", "0"))
         for alias, target in self.aliases.items():
             rows.append((alias, "", f"(same tensor as {target})", "", "0"))
         widths = [max(len(r[i]) for r in rows) for i in range(5)]
@@ -175,6 +202,7 @@ class Plan:
         lines.append(
             f"rank {self.parallel.rank}/{self.parallel.tp_size}: {len(self.params)} parameters, "
             f"{self.bytes_to_read:,} bytes to read, {self.output_bytes:,} bytes out, {len(self.dropped)} tensors dropped"
+            + (" (dummy weights: no checkpoint is read)" if self.dummy else "")
         )
         return "\n".join(lines)
 

@@ -3,9 +3,10 @@
 Every architecture spec of ``specs/`` has tiny transformers-written checkpoints (several GQA/MQA
 shapes, odd sizes), MoE models run with and without expert parallelism and with both placements,
 DeepSeek with and without ``q_lora_rank``, and the quantized fixtures of ``tests/fixtures/quant``
-(written by the real tools) run at tp 1, 2 and 4. A case may say why vLLM cannot load it while
-functional_load can (``vllm_cannot``), or why functional_load refuses a state vLLM "loads"
-(``we_refuse``); every other difference fails the harness.
+(written by the real tools) run at tp 1, 2 and 4; ``dummy-`` cases compare ``load_format="dummy"``.
+A case may say why vLLM cannot load it while functional_load can (``vllm_cannot``), or why
+functional_load refuses a state vLLM "loads" (``we_refuse``); every other difference fails the
+harness.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ..checkpoints import write_checkpoint
+from ..mistral_format import add_mistral_copy
 
 FIXTURES = Path(__file__).resolve().parents[3] / "tests" / "fixtures" / "quant"
 
@@ -28,6 +30,7 @@ class Options:
     expert_parallel: bool = False
     expert_placement: str | None = None  # None: each loader's default (linear)
     dtype: str | None = None  # None: the config's ("auto")
+    load_format: str = "auto"
 
     @property
     def label(self) -> str:
@@ -36,13 +39,18 @@ class Options:
             parts.append(self.expert_placement)
         if self.dtype:
             parts.append(self.dtype)
+        if self.load_format != "auto":
+            parts.append(self.load_format)
         return ",".join(parts) or "-"
 
     def vllm(self) -> dict[str, Any]:
-        return {"expert_parallel": self.expert_parallel, "expert_placement": self.expert_placement, "dtype": self.dtype or "auto"}
+        return {
+            "expert_parallel": self.expert_parallel, "expert_placement": self.expert_placement, "dtype": self.dtype or "auto",
+            "load_format": self.load_format,
+        }
 
     def ours(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"expert_parallel": self.expert_parallel, "dtype": self.dtype}
+        out: dict[str, Any] = {"expert_parallel": self.expert_parallel, "dtype": self.dtype, "load_format": self.load_format}
         if self.expert_placement:
             out["expert_placement"] = self.expert_placement
         return out
@@ -70,6 +78,7 @@ class Case:
     vllm_cannot: str = ""  # why vLLM cannot load this while functional_load can (listed in the report)
     we_refuse: str = ""  # why functional_load refuses a state vLLM loads (listed in the report)
     note: str = ""
+    mistral_copy: bool = False  # also write Mistral's own format (params.json, consolidated.safetensors)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "build", MappingProxyType(dict(self.build)))
@@ -84,6 +93,8 @@ class Case:
         if not (out / "config.json").exists():
             assert self.arch is not None
             write_checkpoint(self.arch, out, **dict(self.build))
+            if self.mistral_copy:
+                add_mistral_copy(out)
         return out
 
 
@@ -103,6 +114,7 @@ _QUANT_OPTIONS = {
     for name, other in (("awq_gemm", "bfloat16"), ("gptq_v1", "bfloat16"), ("ct_w4a16_asym", "float16"), ("ct_fp8_tensor", "float16"))
 }
 
+_DUMMY = (Options(load_format="dummy"),)
 _ODD = {"vocab_size": 100, "intermediate_size": 96}  # vocab pads to 128: at tp 8 rank 7 is all padding
 
 CASES: tuple[Case, ...] = (
@@ -115,6 +127,9 @@ CASES: tuple[Case, ...] = (
     Case("llama-tp3", "llama", {"hidden_size": 48, "num_attention_heads": 6, "head_dim": 8, "num_key_value_heads": 3}, tps=(3,),
          note="heads divide over 3 ranks, the vocabulary padded to 1024 does not"),
     Case("mistral-gqa", "mistral", {"kv_heads": 2}),
+    Case("mistral-both-formats", "mistral", {"kv_heads": 2}, tps=(1, 2, 4), mistral_copy=True,
+         options=(Options(), Options(load_format="mistral"), Options(load_format="hf")),
+         note="HF files and Mistral's consolidated copy: auto picks Mistral's (wq/wk permuted to rotary halves)"),
     Case("qwen2-gqa", "qwen2", {"kv_heads": 2}),
     Case("qwen2-odd", "qwen2", {"kv_heads": 1, **_ODD}),
     Case("qwen3-gqa", "qwen3", {"kv_heads": 2}),
@@ -155,6 +170,21 @@ CASES: tuple[Case, ...] = (
     ),
     Case("quant-gptoss_mxfp4", fixture="gptoss_mxfp4", tps=(1, 2, 4), options=(Options(), Options(True)),
          note="2 KV heads: tp 4 is refused (vLLM replicates no gpt-oss KV head)"),
+    # load_format="dummy": vLLM's DummyModelLoader, integer parameters zeroed (its ROCm branch), against ours.
+    Case("dummy-llama-odd", "llama", {"kv_heads": 2, **_ODD}, tps=(1, 2, 8), options=_DUMMY, note="rank 7 of tp 8: all padding"),
+    Case("dummy-llama-mqa-tied", "llama", {"kv_heads": 1, "tie_word_embeddings": True}, tps=(1, 4), options=_DUMMY),
+    Case("dummy-gpt2", "gpt2", tps=(1, 2), options=_DUMMY),
+    *(
+        Case(f"dummy-{arch}", arch, build, tps=(1, 2), options=(*_DUMMY, Options(True, load_format="dummy")))
+        for arch, build in (("mixtral", {"kv_heads": 2}), ("deepseek_v3", {}), ("gpt_oss", {}))
+    ),
+    *(
+        Case(f"dummy-{name}", fixture=name, tps=(1, 2), options=_DUMMY)
+        for name in (
+            "ct_fp8_tensor", "ct_w4a16_asym", "ct_w8a8", "gptq_v1", "awq_gemm", "quark_fp8", "llmc_fp8_kv", "gptoss_mxfp4",
+            "llmc_qwen3moe_w4a16_experts", "hf_fp8_dsv3",
+        )
+    ),
 )
 
 

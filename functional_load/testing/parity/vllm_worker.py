@@ -12,7 +12,9 @@ parallelism ``_EP`` gets the same proxy, for loaders that ask the EP group direc
 model as ``DefaultModelLoader`` does, fills every parameter with 0xFF bytes (NaN for floats, -1
 for integers, so elements vLLM never writes stand out), runs vLLM's own ``load_weights`` on
 vLLM's own safetensors iterator, and saves the rank's parameters. ``process_weights_after_loading``
-is not run: it converts to CPU kernel formats.
+is not run: it converts to CPU kernel formats. A job with ``load_format="dummy"`` runs vLLM's
+``DummyModelLoader.load_weights`` instead, with the ROCm branch of its integer parameters (zeroed;
+elsewhere vLLM leaves their ``torch.empty`` bytes, which no loader can reproduce).
 
 Output per job: ``OUT_DIR/<id>/rank<r>.safetensors`` and ``OUT_DIR/<id>/result.json`` with, per
 rank, ``status`` ("ok" or "refused"), vLLM's error (type and message) when refused, the
@@ -106,12 +108,40 @@ def _fill(model: Any, byte: int) -> None:
                 param.data.view(-1).view(torch.uint8).fill_(byte)
 
 
+class _ZeroIntegers:
+    """The platform as vLLM's ``initialize_single_dummy_weight`` sees it in a dummy job: ROCm, so
+    that integer parameters are zeroed (the one deterministic branch) rather than left as created."""
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+
+    def is_rocm(self) -> bool:
+        return True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+@contextlib.contextmanager
+def _dummy_platform(dummy: bool) -> Any:
+    import vllm.model_executor.model_loader.weight_utils as weight_utils
+
+    real = weight_utils.current_platform
+    if dummy:
+        weight_utils.current_platform = _ZeroIntegers(real)
+    try:
+        yield
+    finally:
+        weight_utils.current_platform = real
+
+
 def _build_and_load(cfg: Any, rank: int, tp: int, byte: int | None) -> tuple[Any, dict[str, Any]]:
     """vLLM's model for ``rank`` of ``tp``, every parameter filled with ``byte`` (or left as
     created), then loaded by vLLM's own loader; also the parameters' values as vLLM created them."""
     import torch
     import vllm.distributed.parallel_state as ps
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+    from vllm.model_executor.model_loader.dummy_loader import DummyModelLoader
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
@@ -121,13 +151,15 @@ def _build_and_load(cfg: Any, rank: int, tp: int, byte: int | None) -> tuple[Any
         ps._EP = _TPProxy(real_ep, tp, rank)
     try:
         cfg.compilation_config.static_forward_context.clear()
-        loader = DefaultModelLoader(cfg.load_config)
+        dummy = cfg.load_config.load_format == "dummy"
+        loader = DummyModelLoader(cfg.load_config) if dummy else DefaultModelLoader(cfg.load_config)
         with set_default_torch_dtype(cfg.model_config.dtype), torch.device("cpu"):
             model = initialize_model(vllm_config=cfg, model_config=cfg.model_config)
         created = {name: p.detach().clone() for name, p in model.named_parameters(remove_duplicate=False)}
         if byte is not None:
             _fill(model, byte)
-        loader.load_weights(model, cfg.model_config)
+        with _dummy_platform(dummy):
+            loader.load_weights(model, cfg.model_config)
     finally:
         ps._TP, ps._EP = real, real_ep
     return model, created
