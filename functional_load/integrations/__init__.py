@@ -1,0 +1,1 @@
+"""Integrations with serving stacks: :mod:`.vllm` (the ``functional_load`` load format)."""

@@ -1,0 +1,174 @@
+"""The vLLM load format's logic that needs no vLLM: its options, matching a plan against a live
+model's parameters, and filling them in place (see :mod:`.vllm`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError, PlanError
+from ..io.execute import LoadStats, execute
+from ..io.options import ReadOptions
+from ..layout.parallel import Parallel
+from ..plan.plan import Plan
+
+LOAD_FORMAT = "functional_load"
+_READ_KEYS = tuple(f.name for f in dataclasses.fields(ReadOptions))
+
+
+@dataclass(frozen=True)
+class VllmLoadOptions:
+    """What ``model_loader_extra_config`` may say to the ``functional_load`` load format.
+
+    * ``read``: :class:`~functional_load.ReadOptions` (its fields may also be given at the top
+      level: ``{"threads": 8, "verify_hashes": true}``);
+    * ``expert_placement``: must equal vLLM's own ``expert_placement_strategy`` (the experts a
+      rank holds are vLLM's decision; a different value is refused, not silently followed);
+    * ``load_format``: the checkpoint format for functional_load (``"auto"``, ``"hf"``,
+      ``"mistral"``);
+    * ``progress``: a progress bar per worker (``None``: only for long loads);
+    * ``report_dir``: each worker writes ``rank<r>.json`` there (bytes read and planned, time),
+      to check that every worker read its own share.
+    """
+
+    read: ReadOptions = ReadOptions()
+    expert_placement: str | None = None
+    load_format: str = "auto"
+    progress: bool | None = None
+    report_dir: str | None = None
+
+    @classmethod
+    def from_extra_config(cls, extra: Any) -> VllmLoadOptions:
+        """Parse vLLM's ``model_loader_extra_config`` (a dict; unknown keys are refused)."""
+        if extra is None:
+            return cls()
+        if not isinstance(extra, Mapping):
+            raise ConfigError(f"model_loader_extra_config for load_format={LOAD_FORMAT!r} must be a dict, got {type(extra).__name__}")
+        own = {f.name for f in dataclasses.fields(cls)} - {"read"}
+        unknown = sorted(set(extra) - own - set(_READ_KEYS) - {"read"})
+        if unknown:
+            raise ConfigError(
+                f"model_loader_extra_config: unknown key(s) {unknown} for load_format={LOAD_FORMAT!r}; "
+                f"use {sorted(own | {'read'})} or ReadOptions fields {list(_READ_KEYS)}"
+            )
+        read = dict(extra.get("read") or {})
+        if not isinstance(read, dict):
+            raise ConfigError(f"model_loader_extra_config['read'] must be a dict of ReadOptions fields, got {read!r}")
+        read.update({k: extra[k] for k in _READ_KEYS if k in extra})
+        bad = sorted(set(read) - set(_READ_KEYS))
+        if bad:
+            raise ConfigError(f"model_loader_extra_config['read']: unknown ReadOptions field(s) {bad}; use {list(_READ_KEYS)}")
+        return cls(ReadOptions(**read), **{k: extra[k] for k in own if k in extra})
+
+
+@dataclass(frozen=True)
+class MoePlacement:
+    """How vLLM placed one fused-MoE layer's experts on this rank: the strategy, the number of
+    (physical) experts, and the global expert of each local slot."""
+
+    placement: str
+    num_experts: int
+    local: tuple[int, ...]
+
+
+def check_supported(parallel: Parallel, pp_size: int, dp_size: int, online_quantization: str | None) -> None:
+    """Refuse what this load format does not plan, before any byte is read."""
+    problems = []
+    if pp_size > 1:
+        problems.append(
+            f"pipeline parallelism (pipeline_parallel_size={pp_size}) is not supported by load_format={LOAD_FORMAT!r}; "
+            "use tensor parallelism"
+        )
+    if dp_size > 1 and parallel.expert_parallel:
+        problems.append(
+            f"expert parallelism across data-parallel ranks (data_parallel_size={dp_size}) is not supported by "
+            f"load_format={LOAD_FORMAT!r}: experts would be spread over tp x dp ranks; use data_parallel_size=1"
+        )
+    if online_quantization:
+        problems.append(
+            f"quantization={online_quantization!r} of an unquantized checkpoint happens inside vLLM's own loader; "
+            f"load it with vLLM's default load format, or load a checkpoint that is already quantized"
+        )
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+def match_model(plan: Plan, params: Mapping[str, Any], experts: Mapping[str, MoePlacement] = {}) -> dict[str, Any]:
+    """The live model parameters the plan fills, by name; raises a :class:`PlanError` listing
+    every parameter the plan leaves unfilled, every planned tensor the model lacks, every shape or
+    dtype that differs, and every MoE layer whose expert placement differs from the plan's. A
+    name only vLLM has is fine when it is the very same tensor as a planned one (an alias).
+
+    ``params`` is ``model.named_parameters(remove_duplicate=False)``; ``experts`` maps each
+    fused-MoE layer's prefix to the placement vLLM gave it."""
+    planned = {p.spec.name: p.spec for p in plan.params}
+    canonical = {**{n: n for n in planned}, **dict(plan.aliases)}
+    problems: list[str] = []
+    for name, target in sorted(canonical.items()):
+        spec = planned[target]
+        param = params.get(name)
+        if param is None:
+            problems.append(f"{name}: planned {spec.dtype} {list(spec.local_shape)}, but vLLM's model has no such parameter")
+            continue
+        shape, dtype = tuple(param.shape), str(param.dtype).removeprefix("torch.")
+        if shape != tuple(spec.local_shape) or dtype != spec.dtype:
+            problems.append(f"{name}: vLLM's model has {dtype} {list(shape)}, the plan gives {spec.dtype} {list(spec.local_shape)}")
+    filled = {_key(params[n]) for n in canonical if n in params}
+    for name in sorted(set(params) - set(canonical)):
+        param = params[name]
+        if _key(param) in filled:  # another name of a planned tensor (FusedMoE keeps its router as experts.gate)
+            continue
+        problems.append(f"{name}: vLLM's model has {str(param.dtype).removeprefix('torch.')} {list(param.shape)}, the plan fills nothing")
+    parallel = plan.parallel
+    for prefix, moe in sorted(experts.items()):
+        if moe.placement != parallel.expert_placement:
+            problems.append(f"{prefix}: vLLM placed experts {moe.placement!r}, the plan {parallel.expert_placement!r}")
+        elif not parallel.num_redundant_experts:
+            mine = parallel.expert_slots(moe.num_experts)
+            if tuple(moe.local) != mine:
+                problems.append(f"{prefix}: vLLM put experts {list(moe.local)} on this rank, the plan {list(mine)}")
+    if problems:
+        raise PlanError([*problems, f"the model was built by vLLM from {plan.model_dir}; the plan is functional_load's for the same rank"])
+    return {name: params[name] for name in planned}
+
+
+def _key(tensor: Any) -> tuple[Any, ...]:
+    """Where a tensor's elements are: two names with the same key are one tensor."""
+    return (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), str(tensor.dtype), str(tensor.device))
+
+
+def fill_model(plan: Plan, params: Mapping[str, Any], options: VllmLoadOptions, experts: Mapping[str, MoePlacement] = {}) -> LoadStats:
+    """Read the plan's bytes into the live parameters ``params`` (checked by :func:`match_model`):
+    CPU parameters are filled in place, others from a CPU copy, one parameter at a time."""
+    import torch
+
+    targets = match_model(plan, params, experts)
+    into = {n: p.data for n, p in targets.items() if p.device.type == "cpu" and p.data.is_contiguous()}
+    state, stats = execute(plan, options.read, progress=options.progress, into=into)
+    with torch.no_grad():
+        for name, param in targets.items():
+            if name not in into:
+                param.data.copy_(state[name])
+        for alias, target in plan.aliases.items():  # a tied name that vLLM keeps as its own tensor
+            if params[alias].data_ptr() != params[target].data_ptr():
+                params[alias].data.copy_(params[target].data)
+    return stats
+
+
+def write_report(options: VllmLoadOptions, plan: Plan, stats: LoadStats, seconds: float) -> None:
+    """``rank<r>.json`` in ``options.report_dir``: what this worker planned and read."""
+    if not options.report_dir:
+        return
+    out = Path(options.report_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {
+        "rank": plan.parallel.rank, "tp_size": plan.parallel.tp_size, "expert_parallel": plan.parallel.expert_parallel,
+        "bytes_to_read": plan.bytes_to_read, "bytes_read": stats.bytes_read, "bytes_out": stats.bytes_out,
+        "checkpoint_bytes": sum(info.nbytes for info in plan.tensors.values()), "seconds": seconds, "pid": os.getpid(),
+    }
+    (out / f"rank{plan.parallel.rank}.json").write_text(json.dumps(report, indent=1))
