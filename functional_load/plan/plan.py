@@ -19,6 +19,7 @@ from ..layout.build import ParamSpec
 from ..layout.parallel import Parallel
 from ..layout.segments import Box, box_volume, full_box
 from ..model.quant import QuantScheme
+from .rotary import to_halves
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,8 +41,7 @@ class Copy:
     def arrange(self, block: Any, shape: tuple[int, ...]) -> Any:
         """``block`` (a torch tensor read as ``src``) in the destination's orientation and ``shape``."""
         if self.rotary:
-            rows = block.shape[0]
-            block = block.reshape(rows // self.rotary, self.rotary // 2, 2, -1).transpose(1, 2).reshape(block.shape)
+            block = to_halves(block, self.rotary)
         if self.transpose:
             block = block.transpose(-1, -2)
         for dim, factor in enumerate(self.repeat):

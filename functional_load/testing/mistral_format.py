@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ..plan.rotary import to_pairs
 from .files import read_checkpoint_tensors
 
 _NAMES = (  # HF fragment -> Mistral fragment, applied in order
@@ -38,8 +39,7 @@ _SUFFIXES = ((".weight_scale", ".qscale_weight"), (".input_scale", ".qscale_act"
 
 def _interleave(w: torch.Tensor, heads: int) -> torch.Tensor:
     """HF's rotary halves back to Meta's interleaved pairs, head by head (rows of a [out, ...] tensor)."""
-    rows = w.shape[0]
-    return w.reshape(heads, 2, rows // heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    return to_pairs(w, w.shape[0] // heads).contiguous()
 
 
 def add_mistral_copy(model_dir: str | os.PathLike[str], *, params: bool = True) -> Path:

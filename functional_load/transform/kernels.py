@@ -21,6 +21,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ..plan.rotary import to_halves, to_pairs
+
 FP8_MAX = 448.0  # float8_e4m3fn
 FP8_FNUZ_MAX = 224.0  # vLLM quantizes to +-224 on FNUZ platforms (the format's max is 240)
 
@@ -136,15 +138,11 @@ def _transpose(weight: jax.Array) -> jax.Array:
 def permute_rotary(weight: Any, heads: int) -> Any:
     """Mistral consolidated q/k weights interleave rotary pairs per head; HF layout splits them
     in halves (``transformers``' ``permute`` in its Mistral conversion). Returns the HF layout."""
-    import einops
-
-    return einops.rearrange(weight, "(h d two) i -> (h two d) i", h=heads, two=2)
+    return to_halves(weight, weight.shape[0] // heads)
 
 
 def unpermute_rotary(weight: Any, heads: int) -> Any:
     """Inverse of :func:`permute_rotary`."""
-    import einops
-
-    return einops.rearrange(weight, "(h two d) i -> (h d two) i", h=heads, two=2)
+    return to_pairs(weight, weight.shape[0] // heads)
 
 
