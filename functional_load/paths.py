@@ -20,11 +20,13 @@ def strict_json_loads(text: str | bytes, what: str, parse_int: Any = None) -> An
     """
 
     def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for key, value in items:
-            if key in out:
-                raise FormatError(f"{what}: duplicate JSON key {key!r}; each key must appear once")
-            out[key] = value
+        out = dict(items)
+        if len(out) != len(items):  # find the first repeated key
+            seen: set[str] = set()
+            for key, _ in items:
+                if key in seen:
+                    raise FormatError(f"{what}: duplicate JSON key {key!r}; each key must appear once")
+                seen.add(key)
         return out
 
     def constant(name: str) -> Any:

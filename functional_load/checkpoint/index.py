@@ -7,21 +7,25 @@ offset a reader will later ``pread`` has been checked against the file size here
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from ..dtypes import SAFETENSORS_DTYPES, itemsize
 from ..errors import CheckpointError, FormatError, IntegrityError, SecurityError
 from ..paths import strict_json_loads
-from . import Checkpoint, FileSpan, FileStamp, TensorInfo
+from . import Checkpoint, FileSpan, FileStamp, TensorInfo, paused_gc, span_info
 from .discover import WeightFiles
 from .pickles import index_pickles
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # same cap as the safetensors library
 MAX_TENSORS = 1_000_000  # a header this large is a denial of service, not a model
 MAX_NAME_LENGTH = 1024
+_DIGITS_TO_ZERO = bytes.maketrans(b"123456789", b"000000000")
+_LONG_DIGITS = b"0" * 20  # a run of 20 digits: an integer literal that may not fit in 64 bits
+_ITEMSIZE = {code: itemsize(code) for code in SAFETENSORS_DTYPES}
 
 
 def _pread_exact(fd: int, size: int, offset: int) -> bytes:
@@ -70,6 +74,30 @@ def _parse_entry(path: Path, name: str, entry: Any, data_start: int, file_size: 
     return TensorInfo(name, dtype, tuple(shape), FileSpan(path, data_start + begin, end - begin, stamp))
 
 
+def _fast_entry(path: Path, name: str, entry: Any, data_start: int, file_size: int, stamp: FileStamp) -> TensorInfo | None:
+    """The entry of a well-formed header, or None: then :func:`_parse_entry` checks it in full
+    (and names the problem). Accepts exactly what ``_parse_entry`` accepts."""
+    if type(entry) is not dict or len(entry) != 3:
+        return None
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    size = _ITEMSIZE.get(dtype) if type(dtype) is str else None
+    if size is None or type(shape) is not list or type(offsets) is not list or len(offsets) != 2:
+        return None
+    begin, end = offsets
+    if type(begin) is not int or type(end) is not int or not 0 <= begin <= end or data_start + end > file_size:
+        return None
+    for d in shape:
+        if type(d) is not int or d < 0:
+            return None
+    if end - begin != math.prod(shape) * size:
+        return None
+    return span_info(name, cast(str, dtype), tuple(shape), path, data_start + begin, end - begin, stamp)
+
+
+def _offset_and_name(info: TensorInfo) -> tuple[int, str]:
+    return info.location.offset, info.name  # type: ignore[union-attr]
+
+
 def span_offset(info: TensorInfo) -> int:
     assert isinstance(info.location, FileSpan)
     return info.location.offset
@@ -99,22 +127,13 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise FormatError(f"{path}: header is not valid UTF-8 ({exc})") from exc
-    header = strict_json_loads(text, f"{path}: header", parse_int=_header_int)
-    if not isinstance(header, dict):
-        raise FormatError(f"{path}: header must be a JSON object, found {type(header).__name__}")
-    metadata = header.pop("__metadata__", None)
-    if metadata is not None and not (
-        isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
-    ):
-        raise FormatError(f"{path}: __metadata__ must be an object of string values, found {metadata!r:.200}")
-    if len(header) > MAX_TENSORS:
-        raise FormatError(f"{path}: the header declares {len(header)} tensors, more than the cap of {MAX_TENSORS}")
-    for name in header:
-        _check_name(path, name)
-
     data_start = 8 + n
-    infos = [_parse_entry(path, name, entry, data_start, file_size, stamp) for name, entry in header.items()]
-    infos.sort(key=lambda t: (span_offset(t), t.name))
+    infos = _fast_header(path, raw, text, data_start, file_size, stamp)
+    if infos is None:  # anything unusual: the strict parse decides, and names the problem
+        infos = _strict_header(path, text, data_start, file_size, stamp)
+    infos.sort(key=_offset_and_name)
+    if _contiguous(infos, data_start, file_size):
+        return {info.name: info for info in infos}
     previous: FileSpan | None = None
     previous_name = ""
     for info in infos:
@@ -145,6 +164,69 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
     return {info.name: info for info in infos}
 
 
+def _strict_header(path: Path, text: str, data_start: int, file_size: int, stamp: FileStamp) -> list[TensorInfo]:
+    header = strict_json_loads(text, f"{path}: header", parse_int=_header_int)
+    if not isinstance(header, dict):
+        raise FormatError(f"{path}: header must be a JSON object, found {type(header).__name__}")
+    metadata = header.pop("__metadata__", None)
+    if metadata is not None and not (
+        isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
+    ):
+        raise FormatError(f"{path}: __metadata__ must be an object of string values, found {metadata!r:.200}")
+    if len(header) > MAX_TENSORS:
+        raise FormatError(f"{path}: the header declares {len(header)} tensors, more than the cap of {MAX_TENSORS}")
+    for name in header:
+        _check_name(path, name)
+    return [
+        _fast_entry(path, name, entry, data_start, file_size, stamp) or _parse_entry(path, name, entry, data_start, file_size, stamp)
+        for name, entry in header.items()
+    ]
+
+
+def _fast_header(path: Path, raw: bytes, text: str, data_start: int, file_size: int, stamp: FileStamp) -> list[TensorInfo] | None:
+    """The tensors of a well-formed header, parsed without the strict parser's hooks; None when
+    anything is unusual (then :func:`_strict_header` decides). What the hooks would catch is
+    ruled out first: escapes, NaN/Infinity, ``-0`` and integers of 20 digits or more are absent
+    from the text, and duplicate keys are absent because the text has exactly one ``:`` per key
+    the parsed header holds (plus those inside its strings, which escape-free strings hold
+    verbatim)."""
+    if "\\" in text or "NaN" in text or "Infinity" in text or "-0" in text or _LONG_DIGITS in raw.translate(_DIGITS_TO_ZERO):
+        return None
+    try:
+        header = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    if type(header) is not dict or len(header) > MAX_TENSORS + 1:
+        return None
+    colons = len(header) + "".join(header).count(":")
+    metadata = header.pop("__metadata__", None)
+    if metadata is not None:
+        if type(metadata) is not dict or not all(type(v) is str for v in metadata.values()):
+            return None
+        colons += len(metadata) + "".join(metadata).count(":") + "".join(metadata.values()).count(":")
+    if len(header) > MAX_TENSORS:
+        return None
+    infos = []
+    for name, entry in header.items():
+        info = _fast_entry(path, name, entry, data_start, file_size, stamp)  # 3 keys, no strings with ":"
+        if info is None or not name or len(name) > MAX_NAME_LENGTH or not name.isprintable():
+            return None
+        infos.append(info)
+    return infos if colons + 3 * len(infos) == text.count(":") else None
+
+
+def _contiguous(infos: list[TensorInfo], data_start: int, file_size: int) -> bool:
+    """Whether the sorted spans tile ``[data_start, file_size)`` exactly (the usual case)."""
+    at = data_start
+    for info in infos:
+        span = info.location
+        if span.nbytes:  # type: ignore[union-attr]
+            if span.offset != at:  # type: ignore[union-attr]
+                return False
+            at += span.nbytes  # type: ignore[union-attr]
+    return at == file_size
+
+
 def _header_int(literal: str) -> int | float:
     """Integers as the reference parser (serde, u64) reads them: it takes ``-0`` and integers past
     2**64 - 1 as floats, so they become floats here too, which every entry check refuses."""
@@ -173,19 +255,25 @@ def index_checkpoint(files: WeightFiles, *, allow_pickle: bool = False) -> Check
                 f"allow_pickle=True to load them with torch.load(weights_only=True)"
             )
         return Checkpoint(files.directory, files.load_format, files.files, index_pickles(files.files), None)
+    with paused_gc():
+        return _index_safetensors(files)
+
+
+def _index_safetensors(files: WeightFiles) -> Checkpoint:
     headers = {path.name: read_header(path) for path in files.files}
     tensors: dict[str, TensorInfo] = {}
     if files.weight_map is not None:
-        for name, shard in files.weight_map.items():
-            if name not in headers[shard]:
-                raise CheckpointError(
-                    f"Tensor {name!r} is listed in index {str(files.index_file)!r} under shard {shard!r}, "
-                    f"but {shard!r} has no such tensor. Fix the index or re-download the shard."
-                )
+        listed = files.weight_map.get
         for path in files.files:
-            for name, info in headers[path.name].items():
-                if files.weight_map.get(name) == path.name:
-                    tensors[name] = info
+            shard = path.name
+            tensors.update({name: info for name, info in headers[shard].items() if listed(name) == shard})
+        if len(tensors) != len(files.weight_map):  # some listed tensor is not in its shard: name the first
+            for name, shard in files.weight_map.items():
+                if name not in headers[shard]:
+                    raise CheckpointError(
+                        f"Tensor {name!r} is listed in index {str(files.index_file)!r} under shard {shard!r}, "
+                        f"but {shard!r} has no such tensor. Fix the index or re-download the shard."
+                    )
     else:
         for path in files.files:
             for name, info in headers[path.name].items():
