@@ -52,14 +52,14 @@ def resolve_model_dir(
 
 def _layout(
     config: Mapping[str, Any], parallel: Parallel, dtype: str, quantization: str | None, spec: ArchSpec | None, stored: bool = False,
-    load_format: str = "hf",
+    load_format: str = "hf", text_only: bool = False,
 ) -> Layout:
     """The layout of one rank: the spec from the config (unless given), and the checkpoint's
     quantization config or the online one asked for (``stored``: already quantized, in a save);
     ``load_format`` is the checkpoint's resolved format."""
     arch = spec or spec_for_config(config)
     quant = online_quant_config(quantization, config, stored) if quantization else parse_quant_config(config)
-    return build_layout(config, arch, parallel, dtype, quant, load_format=load_format)
+    return build_layout(config, arch, parallel, dtype, quant, load_format=load_format, text_only=text_only)
 
 
 def layout(
@@ -74,6 +74,7 @@ def layout(
     quantization: str | None = None,
     spec: ArchSpec | None = None,
     revision: str | None = None,
+    text_only: bool = False,
 ) -> Layout:
     """Every parameter of one rank (names, shapes, dtypes, slice descriptors) from a config
     alone: ``model`` is a model directory, its ``config.json``, or a parsed config (e.g. a real
@@ -93,7 +94,7 @@ def layout(
             with contextlib.suppress(LoadError):
                 directory = resolve_model_dir(model, revision)
         weights, where = weight_dtypes(directory, config), str(directory / "config.json")
-    return _layout(config, parallel, model_dtype(dtype, config, weights, where), quantization, spec, load_format=fmt)
+    return _layout(config, parallel, model_dtype(dtype, config, weights, where), quantization, spec, load_format=fmt, text_only=text_only)
 
 
 def weight_dtypes(directory: Path, config: Mapping[str, Any]) -> tuple[str, ...]:
@@ -120,14 +121,17 @@ def _is_dummy(load_format: Any) -> bool:
     return isinstance(load_format, str) and load_format.lower() == DUMMY
 
 
-def _dummy_plan(model: Model | Mapping[str, Any], parallel: Parallel, dtype: Any, quantization: str | None, spec: ArchSpec | None) -> Plan:
+def _dummy_plan(
+    model: Model | Mapping[str, Any], parallel: Parallel, dtype: Any, quantization: str | None, spec: ArchSpec | None,
+    text_only: bool = False,
+) -> Plan:
     """A dummy load's plan, from the config alone (a model directory's, or a parsed one)."""
     if isinstance(model, Mapping):
         config, where, model_dir = dict(model), "config", ""
     else:
         directory = model_directory(model)
         config, where, model_dir = read_config(directory), str(directory / "config.json"), str(directory)
-    return dummy_plan(_layout(config, parallel, model_dtype(dtype, config, (), where), quantization, spec), model_dir)
+    return dummy_plan(_layout(config, parallel, model_dtype(dtype, config, (), where), quantization, spec, text_only=text_only), model_dir)
 
 
 def plan(
@@ -144,6 +148,7 @@ def plan(
     allow_pickle: bool = False,
     spec: ArchSpec | None = None,
     revision: str | None = None,
+    text_only: bool = False,
 ) -> Plan:
     """The validated load plan of one rank, from ``config.json`` and the weight-file headers only
     (no tensor data is read).
@@ -155,7 +160,9 @@ def plan(
     loading. ``allow_pickle=True`` permits ``.bin``/``.pt`` checkpoints
     (``torch.load(weights_only=True)`` only; safetensors always win when both are present). A
     directory written by :func:`save_sharded` plans like any checkpoint, at any tp size.
-    ``spec`` overrides the architecture spec picked from ``config.json``. ``model`` may also be a
+    ``spec`` overrides the architecture spec picked from ``config.json``. ``text_only=True`` leaves
+    out a multimodal model's vision tower and projector (the spec's ``vision = true`` modules):
+    their tensors are in ``Plan.dropped`` with the reason. ``model`` may also be a
     Hugging Face Hub repo id (``"Qwen/Qwen3-8B"``) at ``revision`` (branch, tag or commit; default
     ``main``): the local cache first, only the cache when ``HF_HUB_OFFLINE`` is set, else only
     the files this load reads are downloaded. Raises a :class:`~functional_load.LoadError`
@@ -168,7 +175,7 @@ def plan(
     parallel = Parallel(tp_size, rank, expert_parallel, expert_placement, num_redundant_experts)
     if _is_dummy(load_format):
         model = model if isinstance(model, Mapping) else resolve_model_dir(model, revision, load_format)
-        return _dummy_plan(model, parallel, dtype, quantization, spec)
+        return _dummy_plan(model, parallel, dtype, quantization, spec, text_only)
     if isinstance(model, Mapping):
         raise ConfigError("a parsed config has no weights: pass the model directory, or load_format='dummy' for dummy weights")
     directory = resolve_model_dir(model, revision, load_format, allow_pickle)
@@ -188,7 +195,7 @@ def plan(
     checkpoint = _checkpoint(directory, manifest, parallel.rank, load_format, allow_pickle)
     dtype_name = model_dtype(dtype, config, (info.dtype for info in checkpoint.tensors.values()), str(directory / "config.json"))
     try:
-        return make_plan(_layout(config, parallel, dtype_name, quantization, spec, stored, fmt), checkpoint)
+        return make_plan(_layout(config, parallel, dtype_name, quantization, spec, stored, fmt, text_only), checkpoint)
     except PlanError as exc:
         if fmt != "mistral" or load_format != "auto":
             raise
@@ -217,6 +224,7 @@ def load(
     progress: bool | None = None,
     spec: ArchSpec | None = None,
     revision: str | None = None,
+    text_only: bool = False,
 ) -> LoadedState:
     """The rank-local parameters of ``rank`` out of ``tp_size``, with vLLM's names and layouts.
 
@@ -237,7 +245,7 @@ def load(
     the_plan = plan(
         model, tp_size=tp_size, rank=rank, dtype=dtype, expert_parallel=expert_parallel, expert_placement=expert_placement,
         num_redundant_experts=num_redundant_experts, quantization=quantization, load_format=load_format,
-        allow_pickle=allow_pickle, spec=spec, revision=revision,
+        allow_pickle=allow_pickle, spec=spec, revision=revision, text_only=text_only,
     )
     plan_seconds = time.perf_counter() - start
     tensors, stats = execute(

@@ -24,7 +24,7 @@ from functional_load.testing.checkpoints import (  # noqa: E402
 MOE_ARCHS = [a for a, spec in ARCHS.items() if spec.moe is not None and spec.moe.per_expert_prefix is not None]
 EXPECTED = {
     "llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2", "mixtral", "qwen3_moe", "deepseek_v3",
-    "gpt_oss", "llama4", "llama4_text", "glm4_moe",
+    "gpt_oss", "llama4", "llama4_text", "glm4_moe", "gemma2", "gemma3_text", "glm4", "qwen2_5_vl", "gemma3",
 }
 
 
@@ -64,7 +64,10 @@ def test_sharded_bf16_checkpoint(built: dict[str, Path], arch: str) -> None:
         assert t.dtype == torch.bfloat16, name
         assert not bool((t == 0).all()), f"{name} is all zeros"
         assert t.numel() == 1 or bool((t != t.flatten()[0]).any()), f"{name} is constant"
-    embed = {"gpt2": "transformer.wte.weight", "llama4": "language_model.model.embed_tokens.weight"}.get(
+    embed = {
+        "gpt2": "transformer.wte.weight", "llama4": "language_model.model.embed_tokens.weight",
+        "gemma3": "language_model.model.embed_tokens.weight",
+    }.get(
         arch, "model.embed_tokens.weight"
     )
     assert tuple(tensors[embed].shape) == (1000, 64)

@@ -25,7 +25,12 @@ CASES = [
     ("qwen3", 2),
     ("phi3", 8), ("phi3", 2), ("phi3", 1),
     ("gpt2", 8),
+    ("gemma2", 8), ("gemma2", 2),
+    ("gemma3_text", 2), ("gemma3_text", 1),
+    ("glm4", 2), ("glm4", 1),
 ]
+FUSED_QKV = {"phi3"}  # q/k/v stored as one qkv_proj tensor
+FUSED_GATE_UP = {"phi3", "glm4"}  # gate/up stored as one gate_up_proj tensor
 
 
 def unshard_qkv(ranks: list[torch.Tensor], kv_heads: int, tp: int, what: str):
@@ -51,11 +56,13 @@ def reassemble(arch: str, kv_heads: int, tp: int, states: list[dict[str, torch.T
     names = states[0].keys()
     for name in names:
         ranks = [s[name] for s in states]
+        if name == "lm_head.weight" and all(s[name] is s.get("model.embed_tokens.weight") for s in states):
+            continue  # tied: the same tensor as model.embed_tokens.weight, not saved
         if arch == "gpt2":
             rebuild_gpt2(name, ranks, tp, out)
         elif name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
             q, k, v = unshard_qkv(ranks, kv_heads, tp, name)
-            if arch == "phi3":
+            if arch in FUSED_QKV:
                 out[name] = torch.cat([q, k, v])
             else:
                 for part, tensor in zip("qkv", (q, k, v)):
@@ -64,7 +71,7 @@ def reassemble(arch: str, kv_heads: int, tp: int, states: list[dict[str, torch.T
             half = ranks[0].shape[0] // 2
             gate = torch.cat([r[:half] for r in ranks])
             up = torch.cat([r[half:] for r in ranks])
-            if arch == "phi3":
+            if arch in FUSED_GATE_UP:
                 out[name] = torch.cat([gate, up])
             else:
                 out[name.replace("gate_up_proj", "gate_proj")] = gate
@@ -113,7 +120,7 @@ def test_ranks_reassemble_to_the_checkpoint(tiny_checkpoint, arch, kv_heads, tp)
         assert_same_bits(rebuilt[name], tensor, name)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma3_text", "glm4"])
 def test_tied_embeddings_are_one_tensor(tiny_checkpoint, arch):
     path = tiny_checkpoint(arch, kv_heads=8, tie_word_embeddings=True)
     embed = "transformer.wte.weight" if arch == "gpt2" else "model.embed_tokens.weight"
@@ -146,3 +153,12 @@ def test_dtype_casts_every_float_parameter(tiny_checkpoint, dtype):
 def test_default_dtype_is_the_configs(tiny_checkpoint):
     state = fl.load(tiny_checkpoint("llama", kv_heads=2), tp_size=2, rank=1)
     assert {t.dtype for t in state.values()} == {torch.bfloat16}
+
+
+def test_gemma2_has_no_lm_head(tiny_checkpoint):
+    """vLLM's Gemma 2 computes the logits with embed_tokens and has no lm_head parameter; a
+    checkpoint that stores lm_head.weight is refused, as vLLM refuses it."""
+    for rank in range(2):
+        assert "lm_head.weight" not in fl.load(tiny_checkpoint("gemma2", kv_heads=2), tp_size=2, rank=rank)
+    with pytest.raises(fl.PlanError, match=r"checkpoint tensor 'lm_head.weight' in .*\.safetensors has no destination in gemma2"):
+        fl.plan(tiny_checkpoint("gemma2", kv_heads=2, tie_word_embeddings=False), tp_size=2, rank=0)

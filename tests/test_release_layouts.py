@@ -7,6 +7,7 @@ loads of the same tiny checkpoints are compared in the parity harness, ``tests/t
 * gpt-oss experts are fused input-major with gate/up interleaved: a rank's ``w13`` is a contiguous
   range of ``gate_up_proj``'s columns, transposed.
 * GLM-4.5's router is float32 whatever the checkpoint stores.
+* GLM-4 dense drops the multi-token-prediction layers past ``num_hidden_layers``, as vLLM does.
 """
 
 from __future__ import annotations
@@ -84,3 +85,19 @@ def test_glm4_moe_router_is_float32(tmp_path: Path) -> None:
     for name in ("model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias"):
         assert state[name].dtype == torch.float32
         assert torch.equal(state[name], read_checkpoint_tensors(model)[name].float())
+
+
+def test_glm4_drops_mtp_layers(tmp_path: Path) -> None:
+    model = write_checkpoint("glm4", tmp_path / "glm4", kv_heads=2)
+    tensors = read_checkpoint_tensors(model)
+    mtp = {name.replace("layers.1.", "layers.2."): t for name, t in tensors.items() if ".layers.1." in name}
+    save_file(mtp, str(model / "mtp.safetensors"))
+    index = json.loads((model / "model.safetensors.index.json").read_text())
+    index["weight_map"].update(dict.fromkeys(mtp, "mtp.safetensors"))
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    plan = fl.plan(model, tp_size=2, rank=0)
+    assert {name for name, _ in plan.dropped} == set(mtp)
+    state = fl.load(model, tp_size=2, rank=0)
+    assert not any(".layers.2." in name for name in state)

@@ -66,6 +66,9 @@ class Layout:
     aliases: Mapping[str, str]  # tied alias -> canonical parameter
     schemes: Mapping[str, QuantScheme] = field(default_factory=dict)  # quantized module -> its scheme
     drops: tuple[tuple[str, str], ...] = ()  # (name prefix, why): checkpoint tensors that are no parameter
+    # (module pattern, why): modules left out (``vision = true`` ones with text_only; ``{layer}`` stands
+    # for any layer); checkpoint tensors mapped into them are dropped
+    left_out: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
@@ -73,36 +76,54 @@ class Layout:
         object.__setattr__(self, "schemes", MappingProxyType(dict(self.schemes)))
 
 
-def _instances(spec: ArchSpec, scope: Scope, num_layers: int) -> Iterator[tuple[ModuleSpec, str, Scope]]:
-    """Module instances in model order: each run of consecutive ``{layer}`` modules in the spec
-    is expanded layer-major (all of layer 0, then layer 1...); ``when`` filters instances."""
+TEXT_ONLY_REASON = "part of the vision tower or projector, which text_only=True leaves out"
+
+
+def _layer_count(spec: ArchSpec, module: ModuleSpec, scope: Scope, num_layers: int) -> int:
+    """How many times the module's ``{layer}`` expands: its own ``layers`` or the spec's."""
+    if "layers" not in module.fields:
+        return num_layers
+    count = scope.int(module.fields["layers"], f"{module.pattern}.layers")
+    if count > MAX_LAYERS:
+        raise ConfigError(f"{module.pattern}.layers = {module.fields['layers']!r} evaluated to {count}; config.json is corrupt")
+    return count
+
+
+def _instances(
+    spec: ArchSpec, scope: Scope, num_layers: int, modules: tuple[ModuleSpec, ...] | None = None
+) -> Iterator[tuple[ModuleSpec, str, Scope]]:
+    """Module instances in model order: each run of consecutive ``{layer}`` modules with the same
+    ``layers`` is expanded layer-major (all of layer 0, then layer 1...); ``when`` filters
+    instances; a module's ``prefix`` replaces the spec's."""
     runs: list[list[ModuleSpec]] = []
-    for module in spec.modules:
+    for module in spec.modules if modules is None else modules:
         per_layer = "{layer}" in module.pattern
-        if runs and per_layer and "{layer}" in runs[-1][0].pattern:
+        last = runs[-1][0] if runs else None
+        if last is not None and per_layer and "{layer}" in last.pattern and last.fields.get("layers") == module.fields.get("layers"):
             runs[-1].append(module)
         else:
             runs.append([module])
     for run in runs:
-        layers = range(num_layers) if "{layer}" in run[0].pattern else [None]
+        layers = range(_layer_count(spec, run[0], scope, num_layers)) if "{layer}" in run[0].pattern else [None]
         for layer in layers:
             layer_scope = scope.with_layer(layer) if layer is not None else scope
             for module in run:
                 if "when" in module.fields and not evaluate(module.fields["when"], layer_scope):
                     continue
-                yield module, spec.prefix + module.pattern.replace("{layer}", str(layer)), layer_scope
+                prefix = str(module.fields.get("prefix", spec.prefix))
+                yield module, prefix + module.pattern.replace("{layer}", str(layer)), layer_scope
 
 
 def model_tp_sizes(
     config: Mapping[str, Any], spec: ArchSpec, parallel: Parallel, dtype: str, quant: QuantConfig | None, up_to: int = 64,
-    load_format: str = "hf",
+    load_format: str = "hf", text_only: bool = False,
 ) -> list[int]:
     """Every tp size that divides every module of the model (for error messages)."""
     sizes = []
     for tp in range(1, up_to + 1):
         try:
             one = replace(parallel, tp_size=tp, rank=0, num_redundant_experts=0)
-            build_layout(config, spec, one, dtype, quant, report=False, load_format=load_format)
+            build_layout(config, spec, one, dtype, quant, report=False, load_format=load_format, text_only=text_only)
         except (ShardingError, ConfigError):
             continue
         sizes.append(tp)
@@ -134,11 +155,13 @@ def _served_placement(spec: ArchSpec, scope: Scope, parallel: Parallel, warn: bo
 
 def build_layout(
     config: Mapping[str, Any], spec: ArchSpec, parallel: Parallel, dtype: str, quant: QuantConfig | None = None,
-    *, report: bool = True, load_format: str = "hf",
+    *, report: bool = True, load_format: str = "hf", text_only: bool = False,
 ) -> Layout:
     """Every parameter of ``parallel.rank``; ``quant`` decides each linear's quantized tensors;
-    ``load_format`` is the checkpoint's (``"mistral"``: Mistral's own names, mapped first).
-    Divisibility problems of all modules are collected and raised together as one ShardingError."""
+    ``load_format`` is the checkpoint's (``"mistral"``: Mistral's own names, mapped first);
+    ``text_only`` leaves out the ``vision = true`` modules (their tensors are dropped, with the
+    reason). Divisibility problems of all modules are collected and raised together as one
+    ShardingError."""
     scope = Scope(config, spec.dims)
     stages = tuple(stage.table for stage in spec.stages if evaluate(stage.when, scope))
     schemes: dict[str, QuantScheme] = {}
@@ -152,7 +175,11 @@ def build_layout(
     params: dict[str, ParamSpec] = {}
     problems: list[str] = []
     failed: set[str] = set()
-    for module, name, module_scope in _instances(spec, scope, num_layers):
+    # text_only: the vision modules, as name patterns (the tower's depth need not be in the config)
+    vision = [m for m in spec.modules if text_only and m.fields.get("vision")]
+    left_out = tuple((str(m.fields.get("prefix", spec.prefix)) + m.pattern, TEXT_ONLY_REASON) for m in vision)
+    kept = tuple(m for m in spec.modules if m not in vision)
+    for module, name, module_scope in _instances(spec, scope, num_layers, kept):
         if module.pattern in failed:
             continue
         transposed = bool(module.fields.get("transposed", False))
@@ -180,7 +207,7 @@ def build_layout(
         raise ShardingError(problems[0])
     if problems:
         head = f"{spec.name} does not shard over tp_size={parallel.tp_size}:"
-        sizes = model_tp_sizes(config, spec, parallel, dtype, quant, load_format=load_format)
+        sizes = model_tp_sizes(config, spec, parallel, dtype, quant, load_format=load_format, text_only=text_only)
         tail = f"tp sizes (up to 64) that work for the whole model: {sizes}"
         raise ShardingError("\n".join([head, *(f"  - {p}" for p in problems), tail]))
     aliases = {}
@@ -190,7 +217,7 @@ def build_layout(
     quant_stages = quant.mapping if quant else ()
     formats = (MISTRAL_NAMES,) if load_format == "mistral" else ()
     mapping = (*formats, ROTARY_CACHES, *quant_stages, *stages)
-    return Layout(spec.name, parallel, dtype, params, mapping, aliases, schemes, _drops(spec, scope))
+    return Layout(spec.name, parallel, dtype, params, mapping, aliases, schemes, _drops(spec, scope), left_out)
 
 
 def _drops(spec: ArchSpec, scope: Scope) -> tuple[tuple[str, str], ...]:

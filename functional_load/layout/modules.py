@@ -95,7 +95,7 @@ def module_params(
             schemes[name] = scheme
         return expert_params(module, scope, dtype, scheme)
     linear = _linear(module, scope)
-    quantized = quant is not None and quant.quantizes("linear") and f.get("quantized", True)
+    quantized = quant is not None and quant.quantizes("linear") and bool(evaluate(f.get("quantized", True), scope))
     scheme = quant.scheme_for(name, _checkpoint_modules(name, layout_stages)) if quant and quantized else None
     if scheme is not None:
         schemes[name] = scheme

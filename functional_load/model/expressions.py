@@ -1,9 +1,10 @@
 """The safe expression language of the architecture specs.
 
 A tiny subset of Python over config keys and earlier dims: names, numbers, ``+ - * // %``,
-comparisons (``in`` too), ``and``/``or``/``not`` and ``x if c else y``. A missing config key is
-``None``, so ``"num_key_value_heads or num_attention_heads"`` is a fallback; a key the config
-lacks at the top level is read from its ``text_config`` (multimodal models).
+comparisons (``in`` too), ``and``/``or``/``not``, ``x if c else y`` and attribute access into a
+nested config (``vision_config.hidden_size``). A missing config key is ``None``, so
+``"num_key_value_heads or num_attention_heads"`` is a fallback; a key the config lacks at the top
+level is read from its ``text_config`` (multimodal models).
 """
 
 from __future__ import annotations
@@ -50,6 +51,16 @@ def evaluate(expr: str | int | float | bool, lookup: Mapping[str, Any] | Any) ->
             return node.value
         if isinstance(node, ast.Name):
             return lookup[node.id]
+        if isinstance(node, ast.Attribute):  # a key of a nested config: vision_config.hidden_size
+            outer = ev(node.value)
+            if outer is None:
+                return None
+            if not isinstance(outer, Mapping):
+                raise ConfigError(
+                    f"spec expression {expr!r}: {ast.unparse(node.value)!r} is {outer!r:.60}, not a nested config, "
+                    f"so it has no key {node.attr!r}"
+                )
+            return outer.get(node.attr)
         if isinstance(node, ast.BoolOp):
             values = (ev(v) for v in node.values)
             if isinstance(node.op, ast.Or):
@@ -124,5 +135,6 @@ class Scope(Mapping[str, Any]):
     def int(self, expr: Any, what: str) -> int:
         value = evaluate(expr, self)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ConfigError(f"{what} = {expr!r} evaluated to {value!r}; expected a non-negative integer from config.json")
+            dim = f" (dim {expr} = {self._dims[expr]!r})" if isinstance(expr, str) and expr in self._dims else ""
+            raise ConfigError(f"{what} = {expr!r}{dim} evaluated to {value!r}; expected a non-negative integer from config.json")
         return value

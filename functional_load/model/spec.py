@@ -29,7 +29,13 @@ MODULE_KINDS = ("vocab", "column", "merged", "qkv", "row", "replicated_linear", 
 
 @dataclass(frozen=True, slots=True)
 class ModuleSpec:
-    """One module pattern of an architecture (``{layer}`` expands over the decoder layers)."""
+    """One module pattern of an architecture (``{layer}`` expands over the decoder layers).
+
+    Besides its kind's fields, every module may have ``when`` (an expression of ``layer``),
+    ``layers`` (an expression: how many times ``{layer}`` expands, e.g. a vision tower's
+    ``"vision_config.depth"``; default the spec's ``layers``), ``prefix`` (replaces the spec's
+    prefix for this module: ``""`` for a vision tower beside ``language_model.``) and ``vision``
+    (true: part of the vision tower or projector, left out with ``text_only=True``)."""
 
     pattern: str
     kind: str
@@ -183,8 +189,10 @@ def _resolve(
                 if name in names:
                     i = names.index(name)
                     modules[i] = (name, {**modules[i][1], **fields})
-                else:  # a new per-layer module joins the end of the layer block
-                    layered = [i for i, n in enumerate(names) if "{layer}" in n]
+                else:  # a new per-layer module joins the end of the layer block with its layer count
+                    layered = [
+                        i for i, (n, f) in enumerate(modules) if "{layer}" in n and f.get("layers") == fields.get("layers")
+                    ]
                     at = layered[-1] + 1 if "{layer}" in name and layered else len(modules)
                     modules.insert(at, (name, dict(fields)))
             merged["modules"] = {n: f for n, f in modules if f.get("kind") != "none"}

@@ -8,20 +8,22 @@ gives a parameter on a rank is the parameter's slice descriptor's business
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from dataclasses import replace
 from typing import Any
 
-from ..checkpoint import Checkpoint, TensorInfo
+from ..checkpoint import Checkpoint, TensorInfo, paused_gc
 from ..dtypes import torch_name
 from ..errors import PlanError, ShardingError
 from ..layout.build import Layout, ParamSpec
 from ..layout.segments import Box, box_volume, boxes_overlap, full_box, swap_last
 from ..layout.sharding import Part
-from ..model.mapping import Mapped, map_name
+from ..model.mapping import NameMapper, ShardId
 from .plan import Copy, ParamPlan, Plan, _slices
 
 # KV-cache tensors a quantization method may have no parameter for: vLLM ignores them when unexpected.
+Routed = tuple[str, tuple[ShardId, ...], int | None, bool]  # a Mapped's fields: parameter, shard ids, expert, interleaved
 IGNORED_WHEN_UNEXPECTED = (".q_scale", ".k_scale", ".v_scale", ".q_zero_point", ".k_zero_point", ".v_zero_point")
 _FP8 = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
 
@@ -33,6 +35,11 @@ def make_plan(layout: Layout, checkpoint: Checkpoint) -> Plan:
     dtypes that cannot be cast, tensors filling the same slot twice, parameters (or segments)
     not found in the checkpoint, and a tied alias whose canonical tensor is missing.
     """
+    with paused_gc():
+        return _make_plan(layout, checkpoint)
+
+
+def _make_plan(layout: Layout, checkpoint: Checkpoint) -> Plan:
     problems: list[str] = []
     dropped: list[tuple[str, str]] = []
     copies: dict[str, list[Copy]] = defaultdict(list)
@@ -43,22 +50,28 @@ def make_plan(layout: Layout, checkpoint: Checkpoint) -> Plan:
     unplaced: list[tuple[str, TensorInfo, str]] = []  # checkpoint tensors with no destination
     used: dict[str, TensorInfo] = {}
     parallel = layout.parallel
+    router = _Router(layout)
+    parts = _Parts(layout, checkpoint)
 
+    not_held: dict[int | None, str] = {}
     for name, info in checkpoint.tensors.items():
-        mapped = _route(name, layout, dropped, unplaced, info)
+        mapped = router.route(name, dropped, unplaced, info)
         if mapped is None:
             continue
-        spec = layout.params[mapped.name]
-        for shard_id in mapped.shard_ids or (None,):
+        param, shard_ids, expert, interleaved = mapped
+        spec = router.params[param]
+        for shard_id in shard_ids or (None,):
             try:
-                part = _part(spec, checkpoint, shard_id, mapped.expert, layout, info)
+                part = parts.get(spec, shard_id, expert, info)
             except ShardingError as exc:
                 problems.append(f"checkpoint tensor {name!r} in {info.file.name}: {spec.name}: {exc}")
                 continue
             if part is None:
-                dropped.append((name, f"expert {mapped.expert} is not held by rank {parallel.rank}"))
+                if expert not in not_held:
+                    not_held[expert] = f"expert {expert} is not held by rank {parallel.rank}"
+                dropped.append((name, not_held[expert]))
                 continue
-            if mapped.interleaved and spec.sharding.unit_rows(shard_id) and len(info.shape) and info.shape[0] > 1:
+            if interleaved and spec.sharding.unit_rows(shard_id) and len(info.shape) and info.shape[0] > 1:
                 part = replace(part, rotary=spec.sharding.unit_rows(shard_id))
             problem = _mismatch(name, info, spec, part, shard_id, layout)
             if problem:
@@ -112,38 +125,86 @@ def make_plan(layout: Layout, checkpoint: Checkpoint) -> Plan:
     )
 
 
-def _route(
-    name: str, layout: Layout, dropped: list[tuple[str, str]], unplaced: list[tuple[str, TensorInfo, str]], info: TensorInfo
-) -> Mapped | None:
+class _Router:
     """The parameter a checkpoint tensor goes to, or None (dropped with the reason, or a problem)."""
-    reason = next((why for prefix, why in layout.drops if name.startswith(prefix)), None)
-    if reason is not None:
-        dropped.append((name, reason))
+
+    def __init__(self, layout: Layout):
+        self.layout = layout
+        self.params = dict(layout.params)
+        self.aliases = dict(layout.aliases)
+        self.drop_prefixes = tuple(prefix for prefix, _ in layout.drops)
+        self.left_out = [  # text_only: the vision modules
+            (re.compile(re.escape(pattern).replace(re.escape("{layer}"), r"\d+") + r"\."), why) for pattern, why in layout.left_out
+        ]
+        self.mapper = NameMapper(layout.mapping)
+
+    def route(
+        self, name: str, dropped: list[tuple[str, str]], unplaced: list[tuple[str, TensorInfo, str]], info: TensorInfo
+    ) -> Routed | None:
+        """``(parameter, shard ids, expert, interleaved)``: the fields of a :class:`Mapped`."""
+        if self.drop_prefixes and name.startswith(self.drop_prefixes):
+            dropped.append((name, next(why for prefix, why in self.layout.drops if name.startswith(prefix))))
+            return None
+        mapped = self.mapper.lookup(name)
+        if mapped is None:
+            dropped.append((name, "dropped by a mapping rule (not a parameter, e.g. a rotary cache)"))
+            return None
+        param = mapped[0]
+        if param in self.params and param not in self.aliases:
+            return mapped
+        if param in self.aliases:
+            dropped.append((name, f"tied: {param} is the same tensor as {self.aliases[param]}"))
+        elif left_out := self._left_out(param):
+            dropped.append((name, left_out))
+        elif param.endswith(".bias"):
+            dropped.append((name, f"unexpected bias {param} (ignored, as vLLM does for GPTQ checkpoints)"))
+        elif param.endswith(IGNORED_WHEN_UNEXPECTED):
+            dropped.append((name, f"{param}: the quantization method has no such KV-cache parameter (vLLM ignores it)"))
+        else:
+            unplaced.append((name, info, param))
         return None
-    mapped = map_name(layout.mapping, name)
-    if mapped is None:
-        dropped.append((name, "dropped by a mapping rule (not a parameter, e.g. a rotary cache)"))
-        return None
-    if mapped.name in layout.aliases:
-        dropped.append((name, f"tied: {mapped.name} is the same tensor as {layout.aliases[mapped.name]}"))
-        return None
-    if mapped.name in layout.params:
-        return mapped
-    if mapped.name.endswith(".bias"):
-        dropped.append((name, f"unexpected bias {mapped.name} (ignored, as vLLM does for GPTQ checkpoints)"))
-    elif mapped.name.endswith(IGNORED_WHEN_UNEXPECTED):
-        dropped.append((name, f"{mapped.name}: the quantization method has no such KV-cache parameter (vLLM ignores it)"))
-    else:
-        unplaced.append((name, info, mapped.name))
-    return None
 
 
-def _part(spec: ParamSpec, checkpoint: Checkpoint, shard_id: Any, expert: int | None, layout: Layout, info: TensorInfo) -> Part | None:
-    """What the tensor gives the parameter on this rank (a rank-local checkpoint: all of it)."""
-    if checkpoint.rank_local:
-        box = full_box(spec.local_shape)
-        return Part(((box, box, None),), (), spec.local_shape)
-    return spec.sharding.part(spec.shape, shard_id, expert, layout.parallel, info.shape)
+    def _left_out(self, param: str) -> str | None:
+        """Why ``param`` belongs to a module the layout leaves out (text_only), or None."""
+        for regex, why in self.left_out:
+            found = regex.match(param)
+            if found:
+                return f"{found.group(0)[:-1]}: {why}"
+        return None
+
+
+class _Parts:
+    """What a tensor gives a parameter on this rank (a rank-local checkpoint: all of it).
+
+    A descriptor's ``part`` is a pure function of the descriptor, the parameter's shape, the
+    shard id, the expert and the tensor's shape (the rank being fixed), and every layer of a
+    model repeats the same few: each is computed once."""
+
+    def __init__(self, layout: Layout, checkpoint: Checkpoint):
+        self.parallel = layout.parallel
+        self.rank_local = checkpoint.rank_local
+        self._ids: dict[int, int] = {}  # id(descriptor) -> number of its equal class
+        self._classes: dict[Any, int] = {}
+        self._memo: dict[tuple[Any, ...], Part | None] = {}
+
+    def get(self, spec: ParamSpec, shard_id: Any, expert: int | None, info: TensorInfo) -> Part | None:
+        if self.rank_local:
+            box = full_box(spec.local_shape)
+            return Part(((box, box, None),), (), spec.local_shape)
+        sharding = spec.sharding  # alive as long as the layout: its id is stable here
+        number = self._ids.get(id(sharding))
+        if number is None:
+            try:
+                number = self._classes.setdefault(sharding, len(self._classes))
+            except TypeError:  # an unhashable descriptor: computed each time
+                return sharding.part(spec.shape, shard_id, expert, self.parallel, info.shape)
+            self._ids[id(sharding)] = number
+        key = (number, spec.shape, shard_id, expert, info.shape)
+        if key in self._memo:
+            return self._memo[key]
+        part = self._memo[key] = sharding.part(spec.shape, shard_id, expert, self.parallel, info.shape)
+        return part
 
 
 def _mismatch(name: str, info: TensorInfo, spec: ParamSpec, part: Part, shard_id: Any, layout: Layout) -> str | None:

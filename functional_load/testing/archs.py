@@ -39,6 +39,9 @@ class ArchSpec:
     notes: str = ""
     text_config_key: str | None = None
     outer_config: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    # (old, new) name prefixes applied after save_pretrained: the released layout, where
+    # transformers 5 saves another one (Gemma 3's vision tower)
+    renames: tuple[tuple[str, str], ...] = ()
 
 
 _TOKENS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}  # defaults lie outside vocab 1000
@@ -55,6 +58,10 @@ _LLAMA_LIKE = {
     **_TOKENS,
 }
 _NO_HEAD_DIM = {k: v for k, v in _LLAMA_LIKE.items() if k != "head_dim"}  # derived as hidden/heads
+
+# Gemma 2 / Gemma 3 text: tied embeddings (transformers' default; vLLM's Gemma 2 has no lm_head),
+# a sliding window inside the tiny context.
+_GEMMA = {**_LLAMA_LIKE, "tie_word_embeddings": True, "sliding_window": 16}
 
 _QWEN_MOE_EXPERTS = MoeLayout("mlp.experts", "gate_proj", "up_proj", "down_proj")
 
@@ -84,6 +91,18 @@ _LLAMA4_VISION = {
 }
 _LLAMA4_EXPERTS = MoeLayout(None, fused_prefix="feed_forward.experts", input_major=True)
 
+# Multimodal vision towers: 2 layers, hidden 32, 4 heads (vLLM splits them over tp: tp 1, 2, 4),
+# intermediate 64, patch 14, image 28. Qwen2.5-VL's merger works on hidden * 2 * 2 = 128.
+_QWEN2_5_VL_VISION = {
+    "depth": 2, "hidden_size": 32, "num_heads": 4, "intermediate_size": 64, "out_hidden_size": 64, "patch_size": 14,
+    "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56, "fullatt_block_indexes": [1],
+}
+_MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]}  # M-RoPE: 1 + 1 + 2 pairs of head_dim 8
+_GEMMA3_VISION = {
+    "hidden_size": 32, "num_attention_heads": 4, "intermediate_size": 64, "num_hidden_layers": 2, "image_size": 28,
+    "patch_size": 14, "vision_use_head": False,  # as the releases: vLLM builds no pooling head
+}
+
 ARCHS: Mapping[str, ArchSpec] = MappingProxyType(
     {
         "llama": ArchSpec("LlamaConfig", "LlamaForCausalLM", MappingProxyType(dict(_LLAMA_LIKE))),
@@ -99,6 +118,18 @@ ARCHS: Mapping[str, ArchSpec] = MappingProxyType(
         "phi3": ArchSpec(
             "Phi3Config", "Phi3ForCausalLM", MappingProxyType(dict(_NO_HEAD_DIM)),
             notes="fused qkv_proj and gate_up_proj on disk",
+        ),
+        "gemma2": ArchSpec(
+            "Gemma2Config", "Gemma2ForCausalLM", MappingProxyType(dict(_GEMMA)),
+            notes="pre/post-feedforward norms; lm_head tied (vLLM has none: an untied checkpoint is refused)",
+        ),
+        "gemma3_text": ArchSpec(
+            "Gemma3TextConfig", "Gemma3ForCausalLM", MappingProxyType(dict(_GEMMA)),
+            notes="Gemma 2 plus per-head q_norm/k_norm; lm_head tied by default",
+        ),
+        "glm4": ArchSpec(
+            "Glm4Config", "Glm4ForCausalLM", MappingProxyType({**_LLAMA_LIKE, "attention_bias": True}),
+            notes="q/k/v biases; fused gate_up_proj on disk; post_self_attn/post_mlp norms",
         ),
         "gpt2": ArchSpec(
             "GPT2Config",
@@ -222,6 +253,43 @@ ARCHS: Mapping[str, ArchSpec] = MappingProxyType(
             MappingProxyType(dict(_LLAMA4_TEXT)),
             moe=_LLAMA4_EXPERTS,
             notes="the llama4 text model alone (model_type llama4_text), no language_model. prefix",
+        ),
+        "qwen2_5_vl": ArchSpec(
+            "Qwen2_5_VLConfig",
+            "Qwen2_5_VLForConditionalGeneration",
+            MappingProxyType({**_NO_HEAD_DIM, "rope_parameters": _MROPE}),
+            notes="Qwen2 language model saved as model.* + lm_head (the releases' names) and the vision tower visual.*",
+            text_config_key="text_config",
+            outer_config=MappingProxyType(
+                {
+                    "vision_config": MappingProxyType(_QWEN2_5_VL_VISION),
+                    "image_token_id": 999,  # inside the tiny vocabulary
+                    "video_token_id": 998,
+                    "vision_start_token_id": 997,
+                    "vision_end_token_id": 996,
+                    "tie_word_embeddings": False,
+                }
+            ),
+        ),
+        "gemma3": ArchSpec(
+            "Gemma3Config",
+            "Gemma3ForConditionalGeneration",
+            MappingProxyType(dict(_GEMMA)),
+            notes="gemma3_text under language_model.model., the SigLIP tower and the projector; tied",
+            text_config_key="text_config",
+            outer_config=MappingProxyType(
+                {
+                    "vision_config": MappingProxyType(_GEMMA3_VISION),
+                    "mm_tokens_per_image": 4,  # 2 x 2 patches per image: one per token
+                    "image_token_index": 999,
+                    "boi_token_index": 997,
+                    "eoi_token_index": 998,
+                    "tie_word_embeddings": True,
+                }
+            ),
+            # transformers 5 saves the SigLIP tower flat (vision_tower.embeddings...); the releases,
+            # and vLLM 0.32, have it under vision_tower.vision_model.
+            renames=(("vision_tower.", "vision_tower.vision_model."),),
         ),
         "glm4_moe": ArchSpec(
             "Glm4MoeConfig",

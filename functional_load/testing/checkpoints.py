@@ -27,6 +27,16 @@ On-disk tensor layouts (names per layer ``N``; shapes for the defaults, ``kv = k
 * phi3: fused on disk: ``self_attn.qkv_proj.weight`` ``[64 + 2*kv, 64]`` (rows q, then k, then
   v) and ``mlp.gate_up_proj.weight`` ``[256, 64]`` (rows gate, then up); ``o_proj``/``down_proj``
   as llama.
+* gemma2: as llama (``mlp.{gate,up,down}_proj``, gelu-tanh) plus ``pre_feedforward_layernorm.weight``
+  and ``post_feedforward_layernorm.weight`` ``[64]``; tied by default, so no ``lm_head.weight``
+  (``tie_word_embeddings=False`` writes one, which vLLM's Gemma 2, having no lm_head, refuses).
+  Norm weights are stored as-is (the model adds 1 at run time). Sliding window 16 on even layers.
+* gemma3_text (Gemma3ForCausalLM): as gemma2 plus ``self_attn.q_norm.weight`` /
+  ``k_norm.weight`` ``[8]``; tied by default.
+* glm4 (Glm4ForCausalLM, GLM-4-0414): attention as qwen2 (``self_attn.{q,k,v}_proj.bias``, no
+  o_proj bias); ``mlp.gate_up_proj.weight`` ``[256, 64]`` fused on disk (rows gate, then up),
+  ``mlp.down_proj.weight`` ``[64,128]``; four norms per layer: ``input_layernorm``,
+  ``post_self_attn_layernorm``, ``post_attention_layernorm``, ``post_mlp_layernorm`` ``[64]``.
 * gpt2: ``transformer.h.N.attn.c_attn.{weight,bias}`` ``[64,192] [192]`` (Conv1D, so weights are
   ``[in, out]``; columns q, k, v), ``attn.c_proj`` ``[64,64] [64]``, ``mlp.c_fc`` ``[64,256]
   [256]``, ``mlp.c_proj`` ``[256,64] [64]``, ``ln_1``/``ln_2`` weight and bias ``[64]``; plus
@@ -87,6 +97,21 @@ On-disk tensor layouts (names per layer ``N``; shapes for the defaults, ``kv = k
   ``fc2.weight`` ``[64,64]``; ``multi_modal_projector.linear_1.weight`` ``[64,64]``.
 * llama4_text (Llama4ForCausalLM, model_type ``llama4_text``): the same text model alone, named
   ``model.*`` and ``lm_head.weight``.
+* qwen2_5_vl (Qwen2_5_VLForConditionalGeneration): the qwen2 text model (sizes in ``text_config``,
+  M-RoPE) as ``model.*`` and ``lm_head.weight`` (the releases' names, which transformers 5 saves
+  too), and the vision tower: ``visual.patch_embed.proj.weight`` ``[32,3,2,14,14]``,
+  ``visual.blocks.N.{norm1,norm2}.weight`` ``[32]``, ``attn.qkv.{weight,bias}`` ``[96,32] [96]``
+  (q, k, v fused), ``attn.proj.{weight,bias}`` ``[32,32] [32]``, ``mlp.{gate,up}_proj.{weight,bias}``
+  ``[64,32] [64]``, ``mlp.down_proj.{weight,bias}`` ``[32,64] [32]``; ``visual.merger.ln_q.weight``
+  ``[32]``, ``visual.merger.mlp.0.{weight,bias}`` ``[128,128] [128]``, ``mlp.2`` ``[64,128] [64]``.
+* gemma3 (Gemma3ForConditionalGeneration): the gemma3_text model as ``language_model.model.*``
+  (tied, no lm_head), the SigLIP tower renamed after saving to the releases' layout
+  ``vision_tower.vision_model.*`` (transformers 5 writes ``vision_tower.*``):
+  ``embeddings.patch_embedding.{weight,bias}`` ``[32,3,14,14] [32]``,
+  ``embeddings.position_embedding.weight`` ``[4,32]``, ``encoder.layers.N.self_attn.{q,k,v,out}_proj
+  .{weight,bias}`` ``[32,32] [32]``, ``mlp.fc1`` ``[64,32] [64]``, ``mlp.fc2`` ``[32,64] [32]``,
+  ``layer_norm{1,2}.{weight,bias}``, ``post_layernorm.{weight,bias}`` ``[32]``; and
+  ``multi_modal_projector.mm_input_projection_weight`` ``[32,64]``, ``mm_soft_emb_norm.weight`` ``[32]``.
 
 :func:`linear_experts` reads any of these expert layouts as per-expert ``nn.Linear`` weights.
 
@@ -117,6 +142,7 @@ from ..dtypes import canonical_dtype
 from .archs import ARCHS, ArchSpec
 from .experts import MoeLayout, fuse, has_fused, linear_experts, unfuse
 from .files import list_tensors, read_checkpoint_tensors, remove_weight_files, write_shards
+from .multimodal import renamed
 
 __all__ = [
     "ARCHS",
@@ -152,8 +178,8 @@ def write_checkpoint(
     """Build a tiny random ``arch`` checkpoint in ``out_dir`` and return the directory.
 
     ``kv_heads`` sets the KV-head count (default: as many as attention heads, i.e. MHA);
-    ``tie_word_embeddings`` overrides the architecture's default (False, except gpt2);
-    ``config_overrides`` are passed to the transformers config last, so they win. Every saved
+    ``tie_word_embeddings`` overrides the architecture's default (False, except gpt2, gemma2 and
+    gemma3_text); ``config_overrides`` are passed to the transformers config last, so they win. Every saved
     tensor (parameters and persistent buffers, norm weights and biases included) is filled with
     ``randn * 0.02`` from a generator seeded with ``seed``, then cast to ``dtype``; the same
     arguments always give byte-identical tensors. ``max_shard_size`` follows transformers
@@ -211,6 +237,10 @@ def write_checkpoint(
     with quiet_transformers():
         model.save_pretrained(out, max_shard_size=max_shard_size)
     _set_config_dtype(out / "config.json", dtype_name)
+
+    if spec.renames:  # to the released layout (see ArchSpec.renames)
+        tensors = read_checkpoint_tensors(out)
+        write_shards(out, {renamed(name, spec.renames): t for name, t in tensors.items()}, max_shard_size)
 
     if spec.moe is not None and spec.moe.per_expert_prefix is not None:
         tensors = read_checkpoint_tensors(out)

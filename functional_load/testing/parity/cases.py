@@ -19,6 +19,7 @@ from typing import Any
 
 from ..checkpoints import write_checkpoint
 from ..mistral_format import add_mistral_copy
+from ..multimodal import rename_checkpoint
 
 FIXTURES = Path(__file__).resolve().parents[3] / "tests" / "fixtures" / "quant"
 
@@ -31,6 +32,9 @@ class Options:
     expert_placement: str | None = None  # None: each loader's default (linear)
     dtype: str | None = None  # None: the config's ("auto")
     load_format: str = "auto"
+    # ours only: the language model of a multimodal model, compared with vLLM's whole model less
+    # the vision parameters (vLLM has no such option; its run is the one without text_only)
+    text_only: bool = False
 
     @property
     def label(self) -> str:
@@ -41,7 +45,14 @@ class Options:
             parts.append(self.dtype)
         if self.load_format != "auto":
             parts.append(self.load_format)
+        if self.text_only:
+            parts.append("text_only")
         return ",".join(parts) or "-"
+
+    @property
+    def vllm_label(self) -> str:
+        """The label of vLLM's run: ``text_only`` is ours alone."""
+        return Options(self.expert_parallel, self.expert_placement, self.dtype, self.load_format).label
 
     def vllm(self) -> dict[str, Any]:
         return {
@@ -53,6 +64,8 @@ class Options:
         out: dict[str, Any] = {"expert_parallel": self.expert_parallel, "dtype": self.dtype, "load_format": self.load_format}
         if self.expert_placement:
             out["expert_placement"] = self.expert_placement
+        if self.text_only:
+            out["text_only"] = True
         return out
 
 
@@ -79,6 +92,8 @@ class Case:
     we_refuse: str = ""  # why functional_load refuses a state vLLM loads (listed in the report)
     note: str = ""
     mistral_copy: bool = False  # also write Mistral's own format (params.json, consolidated.safetensors)
+    multimodal: bool = False  # vLLM builds a vision tower: its worker gets torchvision (env.ensure_torchvision)
+    names: str = ""  # rewrite the built checkpoint to another release's names (testing.multimodal.LAYOUTS)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "build", MappingProxyType(dict(self.build)))
@@ -93,6 +108,8 @@ class Case:
         if not (out / "config.json").exists():
             assert self.arch is not None
             write_checkpoint(self.arch, out, **dict(self.build))
+            if self.names:
+                rename_checkpoint(out, self.arch, self.names)
             if self.mistral_copy:
                 add_mistral_copy(out)
         return out
@@ -115,6 +132,7 @@ _QUANT_OPTIONS = {
 }
 
 _DUMMY = (Options(load_format="dummy"),)
+_MULTIMODAL = (Options(), Options(text_only=True))
 _ODD = {"vocab_size": 100, "intermediate_size": 96}  # vocab pads to 128: at tp 8 rank 7 is all padding
 
 CASES: tuple[Case, ...] = (
@@ -135,6 +153,24 @@ CASES: tuple[Case, ...] = (
     Case("qwen3-gqa", "qwen3", {"kv_heads": 2}),
     Case("phi3", "phi3", {"kv_heads": 2}),
     Case("gpt2", "gpt2"),
+    # Gemma 2 / Gemma 3 text: tied by default; vLLM's Gemma 2 has no lm_head, so an untied one is refused.
+    Case("gemma2-mha", "gemma2"),
+    Case("gemma2-gqa", "gemma2", {"kv_heads": 2}),
+    Case("gemma2-untied", "gemma2", {"kv_heads": 2, "tie_word_embeddings": False}, tps=(1, 2),
+         note="lm_head.weight stored: vLLM's Gemma 2 has no lm_head; both refuse"),
+    Case("gemma3_text-gqa", "gemma3_text", {"kv_heads": 2}),
+    Case("gemma3_text-mqa-untied", "gemma3_text", {"kv_heads": 1, "tie_word_embeddings": False}),
+    # Phi-4 is Phi3ForCausalLM: Phi-4's 40 heads and 10 KV heads (intermediate 3.5 x hidden);
+    # Phi-4-mini's 3:1 GQA, tied embeddings and partial rotary.
+    Case("phi4-gqa", "phi3", {"hidden_size": 160, "num_attention_heads": 40, "num_key_value_heads": 10, "intermediate_size": 560},
+         note="Phi-4's heads: 10 KV heads neither divide over 4 or 8 ranks nor are divided by them; both refuse tp 4 and 8"),
+    Case("phi4-mini-tied", "phi3", {"hidden_size": 96, "num_attention_heads": 12, "num_key_value_heads": 4,
+                                    "intermediate_size": 256, "tie_word_embeddings": True, "partial_rotary_factor": 0.75},
+         tps=(1, 2, 4), note="12 heads, 4 KV heads: tp 8 does not divide"),
+    # GLM-4 dense: q/k/v biases, fused gate_up_proj on disk, post_self_attn/post_mlp norms.
+    Case("glm4-mha", "glm4"),
+    Case("glm4-gqa", "glm4", {"kv_heads": 2}),
+    Case("glm4-mqa-tied", "glm4", {"kv_heads": 1, "tie_word_embeddings": True}),
     # MoE: without and with expert parallelism, both placements.
     Case("mixtral", "mixtral", {"kv_heads": 2}, options=MOE),
     Case("mixtral-4experts", "mixtral", {"kv_heads": 2, "num_local_experts": 4}, tps=(8,), options=MOE,
@@ -148,6 +184,17 @@ CASES: tuple[Case, ...] = (
     Case("llama4_text", "llama4_text", {"kv_heads": 2}, tps=(1, 2, 4), options=MOE[:2],
          note="MoE every 2nd layer, shared expert, fused input-major experts, q/k rows permuted to rotary halves"),
     Case("glm4_moe", "glm4_moe", {"kv_heads": 2}, tps=(1, 2, 4), options=MOE[:2], note="float32 router, qk-norm, shared expert"),
+    # Multimodal: the language model under language_model., the vision tower with vLLM's sharding
+    # (4 vision heads: tp 8 refused by both); text_only=True compared with vLLM's language model.
+    Case("qwen2_5_vl", "qwen2_5_vl", {"kv_heads": 2}, options=_MULTIMODAL, multimodal=True,
+         note="vision qkv fused on disk, gate/up merged, merger column/row; releases' names"),
+    Case("qwen2_5_vl-tf452-tied", "qwen2_5_vl", {"kv_heads": 1, "tie_word_embeddings": True}, tps=(1, 2, 4),
+         options=_MULTIMODAL, multimodal=True, names="transformers_4_52",
+         note="transformers 4.52-4.57 names: model.language_model.*, model.visual.*"),
+    Case("gemma3-mm", "gemma3", {"kv_heads": 2}, options=_MULTIMODAL, multimodal=True,
+         note="SigLIP q/k/v stacked into qkv_proj, fc1 column, fc2 row, projector replicated; releases' names"),
+    Case("gemma3-mm-tf452", "gemma3", {"kv_heads": 1}, tps=(1, 2, 4), options=_MULTIMODAL, multimodal=True,
+         names="transformers_4_52", note="transformers 4.52-4.57 names: model.language_model.*, model.vision_tower.*"),
     # Quantized dense checkpoints written by the real tools.
     *(
         Case(f"quant-{name}", fixture=name, tps=(1, 2, 4), options=_QUANT_OPTIONS.get(name, DENSE),

@@ -22,6 +22,7 @@ from typing import Any
 
 import functional_load as fl
 
+from . import env
 from .cases import Case, Options
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -51,25 +52,45 @@ class Row:
 
 
 def job_id(case: Case, tp: int, options: Options) -> str:
-    return f"{case.name}.tp{tp}" + ("" if options.label == "-" else "." + options.label.replace(",", "."))
+    """vLLM's run for (case, tp, options); options that are ours alone (text_only) share it."""
+    label = options.vllm_label
+    return f"{case.name}.tp{tp}" + ("" if label == "-" else "." + label.replace(",", "."))
 
 
 def _jobs(cases: Iterable[Case], models: Mapping[str, Path]) -> list[dict[str, Any]]:
-    return [
-        {"id": job_id(c, tp, o), "model": str(models[c.name]), "tp": tp, **o.vllm()}
+    jobs = {
+        job_id(c, tp, o): {"id": job_id(c, tp, o), "model": str(models[c.name]), "tp": tp, **o.vllm(), "multimodal": c.multimodal}
         for c in cases
         for tp in c.tps
         for o in c.options
-    ]
+    }
+    return list(jobs.values())
 
 
-def run_vllm(python: Path, jobs: list[dict[str, Any]], out: Path, workers: int = 2, timeout: float = 1500) -> None:
-    """Real vLLM loads every job's ranks, ``workers`` processes at once (one per batch of jobs)."""
+def run_vllm(
+    python: Path, jobs: list[dict[str, Any]], out: Path, workers: int = 2, timeout: float = 1500, torchvision: Path | None = None
+) -> None:
+    """Real vLLM loads every job's ranks, ``workers`` processes at once (one per batch of jobs).
+    Multimodal jobs run after the others, in workers with ``torchvision`` on ``PYTHONPATH``."""
     out.mkdir(parents=True, exist_ok=True)
+    plain = [j for j in jobs if not j.get("multimodal")]
+    multimodal = [j for j in jobs if j.get("multimodal")]
+    if multimodal and torchvision is None:
+        raise ValueError("multimodal jobs need the torchvision directory (env.ensure_torchvision())")
+    _run_workers(python, plain, out, workers, timeout, None, "")
+    _run_workers(python, multimodal, out, workers, timeout, torchvision, "mm-")
+
+
+def _run_workers(
+    python: Path, jobs: list[dict[str, Any]], out: Path, workers: int, timeout: float, pythonpath: Path | None, tag: str
+) -> None:
     batches = [jobs[i::workers] for i in range(workers) if jobs[i::workers]]
     procs = []
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1"}
-    for i, batch in enumerate(batches):
+    if pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(pythonpath), os.environ.get("PYTHONPATH", "")) if p)
+    for n, batch in enumerate(batches):
+        i = f"{tag}{n}"
         spec = out / f"jobs-{i}.json"
         spec.write_text(json.dumps(batch, indent=1))
         log = open(out / f"vllm-{i}.log", "w")
@@ -162,8 +183,9 @@ def compare_job(case: Case, tp: int, options: Options, model: Path, result: Mapp
             theirs = f"{vllm['error']['type']}: {_short(vllm['error']['message'])}"
             if ours_error is not None:
                 rows.append(row(rank, REFUSED_BOTH, f"vLLM {theirs} | ours {ours_error}"))
-            elif case.vllm_cannot:
-                rows.append(row(rank, VLLM_CANNOT, f"{case.vllm_cannot} (vLLM {theirs})"))
+            elif case.vllm_cannot or options.text_only:
+                why = case.vllm_cannot or "text_only loads the language model alone, vLLM builds the whole model"
+                rows.append(row(rank, VLLM_CANNOT, f"{why} (vLLM {theirs})"))
             else:
                 rows.append(row(rank, DIFFERENT, f"vLLM refuses ({theirs}), functional_load loads"))
             continue
@@ -174,7 +196,11 @@ def compare_job(case: Case, tp: int, options: Options, model: Path, result: Mapp
         assert rank is not None
         ours = _ours(model, tp, rank, options, plan_only=False)
         saved = load_file(str(out / job_id(case, tp, options) / f"rank{rank}.safetensors"))
+        vision: list[str] = []
+        if options.text_only:  # vLLM's whole model, less the parameters text_only leaves out
+            saved, vision = _language_model(saved, model, tp, rank, options)
         problems, listed = compare_state(ours, saved, vllm.get("aliases", {}))
+        problems += vision
         placement = _placement_problem(ours, vllm.get("experts", {}))
         if placement:
             problems.append(placement)
@@ -184,6 +210,16 @@ def compare_job(case: Case, tp: int, options: Options, model: Path, result: Mapp
         else:
             rows.append(row(rank, IDENTICAL, "", listed))
     return rows
+
+
+def _language_model(saved: dict[str, Any], model: Path, tp: int, rank: int, options: Options) -> tuple[dict[str, Any], list[str]]:
+    """vLLM's rank state less the parameters that only our layout without text_only has (the
+    vision tower and projector), and a problem for each of those vLLM does not have."""
+    kwargs = {k: v for k, v in options.ours().items() if k not in ("text_only", "load_format")}
+    whole = fl.layout(model, tp_size=tp, rank=rank, **kwargs).params
+    left_out = set(whole) - set(fl.layout(model, tp_size=tp, rank=rank, text_only=True, **kwargs).params)
+    problems = [f"{name}: text_only leaves it out, but vLLM has no such parameter" for name in sorted(left_out - set(saved))]
+    return {name: t for name, t in saved.items() if name not in left_out}, problems
 
 
 def _placement_problem(state: Any, experts: Mapping[str, Any]) -> str:
@@ -204,8 +240,9 @@ def run_parity(cases: Iterable[Case], work: Path, *, python: Path, workers: int 
     models = {c.name: c.write(models_root) for c in cases}
     out = work / "vllm"
     jobs = _jobs(cases, models)
+    torchvision = env.ensure_torchvision() if any(c.multimodal for c in cases) else None
     start = time.perf_counter()
-    run_vllm(python, jobs, out, workers)
+    run_vllm(python, jobs, out, workers, torchvision=torchvision)
     if progress:
         print(f"vLLM loaded {len(jobs)} configurations in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     rows = []
