@@ -99,9 +99,9 @@ def _bench(args: argparse.Namespace) -> None:
     spec.loader.exec_module(module)
     argv = [args.model_dir] if args.model_dir else []
     argv += ["--quick"] if args.quick else []
-    for name in ("runs", "tp", "scenarios", "methods", "layers", "out", "json", "nice"):
+    for name in ("runs", "tp", "scenarios", "methods", "all_ranks", "layers", "out", "json", "nice"):
         if getattr(args, name) is not None:
-            argv += [f"--{name}", str(getattr(args, name))]
+            argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     raise SystemExit(module.main(argv))
 
 
@@ -131,13 +131,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_load)
     p = add("verify", "plan and load every rank of --tp, and check each against the checkpoint bit for bit")
     p.set_defaults(run=_verify)
-    p = sub.add_parser("bench", help="benchmark loading (cold/hot, tp 1/2/4) against vLLM-style and safetensors loaders")
+    p = sub.add_parser("bench", help="benchmark loading (cold/hot, tp 1/2/4) against vLLM-style, safetensors and peer loaders")
     p.add_argument("model_dir", nargs="?", help="checkpoint (default /tmp/fl-bench/llama7b-4l, generated when missing)")
     p.add_argument("--quick", action="store_true", help="1-layer checkpoint, one run, fewer variants")
     p.add_argument("--runs", type=int, help="runs per method and scenario (default 3)")
     p.add_argument("--tp", help="tp sizes, comma-separated (default 1,2,4)")
     p.add_argument("--scenarios", help="cold,hot (default both)")
-    p.add_argument("--methods", help="method keys, comma-separated (default all; see benchmarks/bench_load.py)")
+    p.add_argument("--methods", help="method keys, comma-separated (default: those marked default in benchmarks/bench_load.py)")
+    p.add_argument("--all-ranks", type=int, help="tp size of the all-ranks-at-once scenario (default 4; 0: skip)")
     p.add_argument("--layers", type=int, help="layers of a generated checkpoint (default 4)")
     p.add_argument("--out", help="markdown results file (default docs/performance.md; none with --quick)")
     p.add_argument("--json", help="also write the raw per-run results as JSON")
