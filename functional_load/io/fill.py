@@ -38,10 +38,11 @@ def _bytes(tensor: Any) -> memoryview:
 
 def allocate(specs: list[Any]) -> dict[str, Any]:
     """One arena for all ``specs``: each tensor starts on a 64-byte boundary. The arena is
-    private anonymous memory, as every other loader writes into (``mmap``'s default, a shared
-    mapping, is shared memory: its page faults measured 1.6x slower here). Its pages are faulted
-    in by the reads themselves, on several threads at once (measured faster here than
-    pre-faulting it first with ``MADV_POPULATE_WRITE``, which runs serially)."""
+    private anonymous memory advised to use transparent huge pages: filling 1 GiB from resident
+    memory on 4 threads took 0.20 s so, 0.33 s with 4 KiB pages and 0.69 s in ``mmap``'s default
+    shared mapping (shared memory), medians of 5 on this machine. Its pages are faulted in by the
+    reads themselves, on several threads at once (measured faster here than pre-faulting it
+    first with ``MADV_POPULATE_WRITE``, which runs serially)."""
     import torch
 
     offsets, total = {}, 0
@@ -52,10 +53,10 @@ def allocate(specs: list[Any]) -> dict[str, Any]:
     if total == 0:
         return {}
     arena = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+    if hasattr(mmap, "MADV_HUGEPAGE"):
         try:
-            arena.madvise(mmap.MADV_NOHUGEPAGE)
-        except OSError:
+            arena.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # no transparent huge pages here: 4 KiB pages
             pass
     memory = torch.frombuffer(arena, dtype=torch.uint8)
     out = {}
