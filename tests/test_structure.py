@@ -83,8 +83,7 @@ def test_modules_are_small() -> None:
 def test_deferred_imports_are_third_party_only() -> None:
     """A function-level import of the package's own modules would hide a cycle; only heavy
     third-party libraries (torch, jax, transformers...) and the jitted kernels are deferred."""
-    # jax, imported only when a kernel runs; vLLM, imported only inside vLLM by its plugin entry point
-    allowed = {"functional_load.transform.kernels", "functional_load.integrations.vllm_loader"}
+    allowed = {"functional_load.transform.kernels"}  # jax, imported only when a kernel runs
     for path in MODULES:
         deferred = internal_imports(path, top_level_only=False) - internal_imports(path, top_level_only=True)
         assert deferred <= allowed, f"{path.relative_to(PACKAGE)}: {sorted(deferred - allowed)}"

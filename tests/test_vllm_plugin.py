@@ -11,7 +11,6 @@ worker read exactly its planned share.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -176,8 +175,7 @@ def test_generation_matches_vllms_default_loader(vllm_python: Path, tmp_path: Pa
                "--report-dir", str(reports)] + (["--expert-parallel"] if ep else [])
     if case == "llama-gqa" and tp == 2:  # a pre-sharded save loads through the load format too
         command += ["--saved", str(fl.save_sharded(model, tmp_path / "saved", tp_size=tp, dtype="float32"))]
-    environ = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(r % (os.cpu_count() or 1)) for r in range(tp))}
-    done = subprocess.run(command, cwd=tmp_path, env=environ, capture_output=True, text=True, timeout=1400)
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=1400)  # it binds the tp workers
     assert done.returncode == 0, _failure(done)
     results = json.loads(out.read_text())
     assert results["functional_load"] == results["auto"]  # the same tokens and the same logprobs, exactly
@@ -189,5 +187,5 @@ def test_generation_matches_vllms_default_loader(vllm_python: Path, tmp_path: Pa
         assert (report["tp_size"], report["expert_parallel"]) == (tp, ep)
         assert report["bytes_read"] == report["bytes_to_read"] == expected.bytes_to_read, report
         if tp > 1:
-            assert report["bytes_read"] < 0.6 * report["checkpoint_bytes"], report
+            assert report["bytes_read"] < 0.6 * report["tensor_bytes"], report  # whole sizes of the tensors it reads from
     assert len({json.loads((reports / f"rank{r}.json").read_text())["pid"] for r in range(tp)}) == tp  # one worker each

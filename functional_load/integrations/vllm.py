@@ -1,6 +1,7 @@
 """functional_load as a vLLM load format: ``LLM(model=M, load_format="functional_load")``.
 
-``pip install functional_load`` registers :func:`register` under vLLM's ``vllm.general_plugins``
+``pip install functional_load`` registers
+:func:`functional_load.integrations.vllm_loader.register` under vLLM's ``vllm.general_plugins``
 entry point; vLLM calls it in every process (the API server, the engine and each worker) and it
 adds :class:`~functional_load.integrations.vllm_loader.FunctionalLoadLoader` to vLLM's
 model-loader registry. Each worker then plans its own rank from vLLM's parallel state, checks the
@@ -9,7 +10,8 @@ same shapes, dtypes and expert placement), reads only its own bytes straight int
 parameters, and leaves ``process_weights_after_loading`` to vLLM.
 
 The options and the matching live in :mod:`.vllm_model` (no vLLM import: tested without it);
-:mod:`.vllm_loader` holds the vLLM class and is imported only when vLLM calls :func:`register`.
+:mod:`.vllm_loader` holds the vLLM class and the entry point; it imports vLLM, so only vLLM's
+processes import it.
 """
 
 from __future__ import annotations
@@ -20,10 +22,3 @@ from .vllm_model import VllmLoadOptions as VllmLoadOptions
 from .vllm_model import check_supported as check_supported
 from .vllm_model import fill_model as fill_model
 from .vllm_model import match_model as match_model
-
-
-def register() -> None:
-    """The ``vllm.general_plugins`` entry point: add the ``functional_load`` load format."""
-    from .vllm_loader import register_loader  # imports vLLM: only inside vLLM's processes
-
-    register_loader()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any
 
 from torch import nn
 from vllm.config import ModelConfig, VllmConfig
@@ -92,10 +91,10 @@ def _placements(model: nn.Module) -> dict[str, MoePlacement]:
     return out
 
 
-def register_loader() -> Any:
-    """Add the load format to vLLM's registry (vLLM calls :func:`functional_load.integrations.vllm.register` in every process)."""
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point, called by vLLM in every process: add the
+    ``functional_load`` load format to vLLM's model-loader registry (once per process)."""
     from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER
 
-    if _LOAD_FORMAT_TO_MODEL_LOADER.get(LOAD_FORMAT) is FunctionalLoadLoader:
-        return FunctionalLoadLoader
-    return register_model_loader(LOAD_FORMAT)(FunctionalLoadLoader)
+    if _LOAD_FORMAT_TO_MODEL_LOADER.get(LOAD_FORMAT) is not FunctionalLoadLoader:
+        register_model_loader(LOAD_FORMAT)(FunctionalLoadLoader)

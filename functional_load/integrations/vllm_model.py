@@ -161,7 +161,8 @@ def fill_model(plan: Plan, params: Mapping[str, Any], options: VllmLoadOptions, 
 
 
 def write_report(options: VllmLoadOptions, plan: Plan, stats: LoadStats, seconds: float) -> None:
-    """``rank<r>.json`` in ``options.report_dir``: what this worker planned and read."""
+    """``rank<r>.json`` in ``options.report_dir``: what this worker planned and read (``tensor_bytes``:
+    the whole sizes of the checkpoint tensors it reads slices of)."""
     if not options.report_dir:
         return
     out = Path(options.report_dir)
@@ -169,6 +170,6 @@ def write_report(options: VllmLoadOptions, plan: Plan, stats: LoadStats, seconds
     report = {
         "rank": plan.parallel.rank, "tp_size": plan.parallel.tp_size, "expert_parallel": plan.parallel.expert_parallel,
         "bytes_to_read": plan.bytes_to_read, "bytes_read": stats.bytes_read, "bytes_out": stats.bytes_out,
-        "checkpoint_bytes": sum(info.nbytes for info in plan.tensors.values()), "seconds": seconds, "pid": os.getpid(),
+        "tensor_bytes": sum(info.nbytes for info in plan.tensors.values()), "seconds": seconds, "pid": os.getpid(),
     }
     (out / f"rank{plan.parallel.rank}.json").write_text(json.dumps(report, indent=1))

@@ -254,6 +254,14 @@ def _fields(mapped: Mapped | None) -> tuple[str, tuple[ShardId, ...], int | None
     return None if mapped is None else (mapped.name, mapped.shard_ids, mapped.expert, mapped.interleaved)
 
 
+def _apply(learned: Any, numbers: list[str]) -> tuple[str, tuple[ShardId, ...], int | None, bool] | None:
+    """A learned template's mapping of a name with these number components."""
+    if learned is None:
+        return None
+    fmt, shard_ids, expert, interleaved = learned
+    return fmt.format(*numbers), shard_ids, None if expert is None else int(numbers[expert]), interleaved
+
+
 class NameMapper:
     """``map_name(stages, name)``, memoised per name *template* (the name with its number
     components, ``layers.12`` or ``experts.37``, taken out).
@@ -283,18 +291,9 @@ class NameMapper:
         learned = self._memo.get("\0".join(parts[0::2]), _MISSING)
         if learned is _MISSING:
             learned = self._memo["\0".join(parts[0::2])] = self._learn(name, parts)
-        if learned is None or learned is _UNSAFE:
-            return None if learned is None else _fields(map_name(self.stages, name))
-        fmt, shard_ids, expert, interleaved = learned
-        numbers = parts[1::2]
-        return fmt.format(*numbers), shard_ids, None if expert is None else int(numbers[expert]), interleaved
-
-    @staticmethod
-    def _build(learned: Any, numbers: list[str]) -> Mapped | None:
-        if learned is None:
-            return None
-        fmt, shard_ids, expert, interleaved = learned
-        return Mapped(fmt.format(*numbers), shard_ids, None if expert is None else int(numbers[expert]), interleaved)
+        if learned is _UNSAFE:
+            return _fields(map_name(self.stages, name))
+        return _apply(learned, parts[1::2])
 
     def _learn(self, name: str, parts: list[str]) -> Any:
         sentinels = [f"9{i:07d}9" for i in range(len(parts) // 2)]
@@ -313,6 +312,6 @@ class NameMapper:
                 if expert is None:
                     return _UNSAFE
             learned = (fmt, mapped.shard_ids, expert, mapped.interleaved)
-        if self._build(learned, parts[1::2]) != map_name(self.stages, name):
+        if _apply(learned, parts[1::2]) != _fields(map_name(self.stages, name)):
             return _UNSAFE  # the guard: never memoise what the full mapping disagrees with
         return learned

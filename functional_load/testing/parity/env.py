@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import tomllib
+
 from ...vllm_target import VLLM_VERSION
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -51,13 +53,17 @@ def _run(args: list[str], log: Path) -> None:
 def plugin_installed() -> bool:
     """Whether this checkout of functional_load is installed (editable) in the vLLM environment,
     with its ``vllm.general_plugins`` entry point (the ``functional_load`` load format)."""
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["vllm.general_plugins"]
     probe = (
         "import functional_load, importlib.metadata as m; print(functional_load.__file__); "
-        "print(any(e.name == 'functional_load' for e in m.entry_points(group='vllm.general_plugins')))"
+        "print([e.value for e in m.entry_points(group='vllm.general_plugins') if e.name == 'functional_load'])"
     )
     done = subprocess.run([str(python()), "-c", probe], capture_output=True, text=True, cwd=venv_dir())
-    lines = done.stdout.split()
-    return done.returncode == 0 and len(lines) == 2 and Path(lines[0]).resolve().is_relative_to(ROOT) and lines[1] == "True"
+    lines = done.stdout.splitlines()
+    return (
+        done.returncode == 0 and len(lines) == 2 and Path(lines[0]).resolve().is_relative_to(ROOT)
+        and lines[1] == repr([declared["functional_load"]])  # a stale install has the old entry point
+    )
 
 
 def ensure(verbose: bool = True) -> Path:
