@@ -1,8 +1,8 @@
 """The public entry points, each a thin composition of the pipeline's stages.
 
 ``layout`` (config -> what a rank holds), ``plan`` (+ checkpoint headers -> a validated plan),
-``load`` (+ reading -> rank-local torch tensors), ``load_jax`` (-> global ``jax.Array``s) and
-``save_sharded`` (every rank of a layout, written once).
+``load`` (+ reading -> rank-local torch tensors) and ``save_sharded`` (every rank of a layout,
+written once); ``load_jax`` is in :mod:`.api_jax`. Each takes one :class:`LoadOptions`.
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ from .checkpoint.index import index_checkpoint
 from .checkpoint.sharded import read_manifest, sharded_checkpoint
 from .dtypes import TORCH_TO_SAFETENSORS
 from .errors import ConfigError, LoadError, PlanError
-from .io import Reader, ReadOptions, execute, reader_for
+from .io import execute
 from .layout.build import Layout, build_layout
 from .layout.parallel import Parallel
 from .model.config import checkpoint_format, declared_dtype, model_directory, model_dtype, read_config
 from .model.quant import online_quant_config, parse_quant_config
-from .model.spec import ArchSpec, spec_for_config
-from .output.jax import global_arrays, local_tp_ranks
+from .model.spec import spec_for_config
+from .options import LoadOptions, resolve_options
 from .output.save import write_sharded
 from .output.state import LoadedState, check_device, to_device
 from .plan import Plan, make_plan
@@ -36,7 +36,6 @@ from .transform.online import is_online_weight, quantize_online
 from .transform.targets import apply_target, check_target
 
 Model = str | Path | os.PathLike[str]
-DUMMY = "dummy"  # load_format of vLLM's DummyModelLoader: config only, vLLM's dummy values
 
 
 def resolve_model_dir(
@@ -51,50 +50,42 @@ def resolve_model_dir(
 
 
 def _layout(
-    config: Mapping[str, Any], parallel: Parallel, dtype: str, quantization: str | None, spec: ArchSpec | None, stored: bool = False,
-    load_format: str = "hf", text_only: bool = False,
+    config: Mapping[str, Any], parallel: Parallel, dtype: str, options: LoadOptions, stored: bool = False, load_format: str = "hf",
+    quantization: str | None = None,
 ) -> Layout:
-    """The layout of one rank: the spec from the config (unless given), and the checkpoint's
+    """The layout of one rank: the spec from the options or the config, and the checkpoint's
     quantization config or the online one asked for (``stored``: already quantized, in a save);
     ``load_format`` is the checkpoint's resolved format."""
-    arch = spec or spec_for_config(config)
-    quant = online_quant_config(quantization, config, stored) if quantization else parse_quant_config(config)
-    return build_layout(config, arch, parallel, dtype, quant, load_format=load_format, text_only=text_only)
+    arch = options.arch_spec() or spec_for_config(config)
+    method = quantization or options.quantization
+    quant = online_quant_config(method, config, stored) if method else parse_quant_config(config)
+    return build_layout(config, arch, parallel, dtype, quant, load_format=load_format, text_only=options.text_only)
 
 
 def layout(
-    model: Model | Mapping[str, Any],
-    *,
-    tp_size: int = 1,
-    rank: int = 0,
-    dtype: Any = None,
-    expert_parallel: bool = False,
-    expert_placement: str = "linear",
-    num_redundant_experts: int = 0,
-    quantization: str | None = None,
-    spec: ArchSpec | None = None,
-    revision: str | None = None,
-    text_only: bool = False,
+    model: Model | Mapping[str, Any], *, tp_size: int = 1, rank: int = 0, options: LoadOptions = LoadOptions(), **overrides: Any
 ) -> Layout:
     """Every parameter of one rank (names, shapes, dtypes, slice descriptors) from a config
     alone: ``model`` is a model directory, its ``config.json``, or a parsed config (e.g. a real
-    model's, with no weights at hand), or a Hugging Face Hub repo id at ``revision`` (only its
-    config is fetched). Only the config (and, when it names no dtype, the weight files' headers)
-    is read."""
-    parallel = Parallel(tp_size, rank, expert_parallel, expert_placement, num_redundant_experts)
+    model's, with no weights at hand), or a Hugging Face Hub repo id at ``options.revision``
+    (only its config is fetched). Only the config (and, when it names no dtype, the weight
+    files' headers) is read. ``options`` (:class:`LoadOptions`, or its fields as keywords) as for
+    every entry point."""
+    opts = resolve_options(options, overrides)
+    parallel = opts.parallel(tp_size, rank)
     weights: tuple[str, ...] = ()
     fmt = "hf"
     if isinstance(model, Mapping):
         config, where = dict(model), "config"
     else:
-        directory = resolve_model_dir(model, revision, weights=False)
+        directory = resolve_model_dir(model, opts.revision, weights=False)
         fmt = checkpoint_format(directory)
         config = read_config(directory, fmt)
         if declared_dtype(config) is None:  # the dtype rule falls back to the weights: a Hub repo's are fetched
             with contextlib.suppress(LoadError):
-                directory = resolve_model_dir(model, revision)
+                directory = resolve_model_dir(model, opts.revision)
         weights, where = weight_dtypes(directory, config), str(directory / "config.json")
-    return _layout(config, parallel, model_dtype(dtype, config, weights, where), quantization, spec, load_format=fmt, text_only=text_only)
+    return _layout(config, parallel, model_dtype(opts.dtype, config, weights, where), opts, load_format=fmt)
 
 
 def weight_dtypes(directory: Path, config: Mapping[str, Any]) -> tuple[str, ...]:
@@ -117,41 +108,22 @@ def _checkpoint(directory: Path, manifest: Mapping[str, Any] | None, rank: int, 
     return index_checkpoint(discover(directory, load_format), allow_pickle=allow_pickle)
 
 
-def _is_dummy(load_format: Any) -> bool:
-    return isinstance(load_format, str) and load_format.lower() == DUMMY
-
-
-def _dummy_plan(
-    model: Model | Mapping[str, Any], parallel: Parallel, dtype: Any, quantization: str | None, spec: ArchSpec | None,
-    text_only: bool = False,
-) -> Plan:
+def _dummy_plan(model: Model | Mapping[str, Any], parallel: Parallel, opts: LoadOptions) -> Plan:
     """A dummy load's plan, from the config alone (a model directory's, or a parsed one)."""
     if isinstance(model, Mapping):
         config, where, model_dir = dict(model), "config", ""
     else:
         directory = model_directory(model)
         config, where, model_dir = read_config(directory), str(directory / "config.json"), str(directory)
-    return dummy_plan(_layout(config, parallel, model_dtype(dtype, config, (), where), quantization, spec, text_only=text_only), model_dir)
+    return dummy_plan(_layout(config, parallel, model_dtype(opts.dtype, config, (), where), opts), model_dir)
 
 
 def plan(
-    model: Model | Mapping[str, Any],
-    *,
-    tp_size: int = 1,
-    rank: int = 0,
-    dtype: Any = None,
-    expert_parallel: bool = False,
-    expert_placement: str = "linear",
-    num_redundant_experts: int = 0,
-    quantization: str | None = None,
-    load_format: str = "auto",
-    allow_pickle: bool = False,
-    spec: ArchSpec | None = None,
-    revision: str | None = None,
-    text_only: bool = False,
+    model: Model | Mapping[str, Any], *, tp_size: int = 1, rank: int = 0, options: LoadOptions = LoadOptions(), **overrides: Any
 ) -> Plan:
     """The validated load plan of one rank, from ``config.json`` and the weight-file headers only
-    (no tensor data is read).
+    (no tensor data is read). ``options`` is a :class:`LoadOptions` (its fields may be given as
+    keywords instead, as for every entry point).
 
     ``expert_parallel=True`` spreads whole MoE experts over the ``tp_size`` ranks
     (``expert_placement`` "linear" or "round_robin", as vLLM serves it; ``num_redundant_experts``
@@ -172,32 +144,34 @@ def plan(
     a directory with only ``config.json``, or a parsed config; every parameter gets vLLM's dummy
     values (see :mod:`functional_load.io.dummy`) and the plan reads 0 bytes.
     """
-    parallel = Parallel(tp_size, rank, expert_parallel, expert_placement, num_redundant_experts)
-    if _is_dummy(load_format):
-        model = model if isinstance(model, Mapping) else resolve_model_dir(model, revision, load_format)
-        return _dummy_plan(model, parallel, dtype, quantization, spec, text_only)
+    opts = resolve_options(options, overrides)
+    parallel = opts.parallel(tp_size, rank)
+    if opts.dummy:
+        model = model if isinstance(model, Mapping) else resolve_model_dir(model, opts.revision, opts.load_format)
+        return _dummy_plan(model, parallel, opts)
     if isinstance(model, Mapping):
         raise ConfigError("a parsed config has no weights: pass the model directory, or load_format='dummy' for dummy weights")
-    directory = resolve_model_dir(model, revision, load_format, allow_pickle)
+    directory = resolve_model_dir(model, opts.revision, opts.load_format, opts.allow_pickle)
     manifest = read_manifest(directory)
-    fmt = "hf" if manifest is not None else checkpoint_format(directory, load_format)
+    fmt = "hf" if manifest is not None else checkpoint_format(directory, opts.load_format)
     config = read_config(directory, fmt)
-    stored = False
+    stored, dtype, quantization = False, opts.dtype, None
     if manifest is not None:
         dtype = dtype if dtype is not None else manifest["dtype"]
         stored = bool(manifest.get("online_quantization"))
-        quantization = quantization or manifest.get("online_quantization")
-        if stored and (parallel.tp_size, expert_parallel) != (manifest["parallel"]["tp_size"], manifest["parallel"]["expert_parallel"]):
+        quantization = opts.quantization or manifest.get("online_quantization")
+        saved = manifest["parallel"]
+        if stored and (parallel.tp_size, parallel.expert_parallel) != (saved["tp_size"], saved["expert_parallel"]):
             raise ConfigError(
                 f"{directory}: this save holds weights quantized while loading; it reloads only as saved "
                 f"({manifest['parallel']}), its original weights are not in it. Save from the original checkpoint to reshard"
             )
-    checkpoint = _checkpoint(directory, manifest, parallel.rank, load_format, allow_pickle)
+    checkpoint = _checkpoint(directory, manifest, parallel.rank, opts.load_format, opts.allow_pickle)
     dtype_name = model_dtype(dtype, config, (info.dtype for info in checkpoint.tensors.values()), str(directory / "config.json"))
     try:
-        return make_plan(_layout(config, parallel, dtype_name, quantization, spec, stored, fmt, text_only), checkpoint)
+        return make_plan(_layout(config, parallel, dtype_name, opts, stored, fmt, quantization), checkpoint)
     except PlanError as exc:
-        if fmt != "mistral" or load_format != "auto":
+        if fmt != "mistral" or opts.load_format != "auto":
             raise
         raise PlanError([
             *exc.problems,
@@ -211,45 +185,32 @@ def load(
     *,
     tp_size: int = 1,
     rank: int = 0,
-    dtype: Any = None,
     device: Any = "cpu",
-    expert_parallel: bool = False,
-    expert_placement: str = "linear",
-    num_redundant_experts: int = 0,
-    quantization: str | None = None,
     target: str = "checkpoint",
-    load_format: str = "auto",
-    allow_pickle: bool = False,
-    read: ReadOptions = ReadOptions(),
-    progress: bool | None = None,
-    spec: ArchSpec | None = None,
-    revision: str | None = None,
-    text_only: bool = False,
+    options: LoadOptions = LoadOptions(),
+    **overrides: Any,
 ) -> LoadedState:
     """The rank-local parameters of ``rank`` out of ``tp_size``, with vLLM's names and layouts.
 
+    ``options`` (:class:`LoadOptions`, or its fields as keywords) as for :func:`plan`:
     ``dtype=None`` follows vLLM's ``"auto"`` (the config's dtype; float32 models in bfloat16);
     otherwise tensors are cast. Only the bytes this rank keeps are read, as ``read``
-    (:class:`ReadOptions`) says. MoE, ``quantization``, ``load_format``, ``allow_pickle`` and
-    ``revision`` (of a Hub repo id) are those of :func:`plan`. ``target`` picks the output
-    layout: ``"checkpoint"`` (default, what vLLM holds after ``load_weights``), ``"cuda-fp8"`` or
-    ``"rocm-fp8"`` (after its FP8 ``process_weights_after_loading``). ``device`` ``"cpu"`` or a CUDA device. ``progress``: a
-    progress bar (``None``: only for long loads). Returns a read-only :class:`LoadedState`.
-    ``load_format="dummy"``: vLLM's dummy values from the config alone (``model`` may be a
-    parsed config), drawn on the CPU whatever ``device`` is.
+    (:class:`ReadOptions`) says; ``progress``: a progress bar (``None``: only for long loads).
+    ``target`` picks the output layout: ``"checkpoint"`` (default, what vLLM holds after
+    ``load_weights``), ``"cuda-fp8"`` or ``"rocm-fp8"`` (after its FP8
+    ``process_weights_after_loading``). ``device`` ``"cpu"`` or a CUDA device. Returns a
+    read-only :class:`LoadedState`. ``load_format="dummy"``: vLLM's dummy values from the config
+    alone (``model`` may be a parsed config), drawn on the CPU whatever ``device`` is.
     """
+    opts = resolve_options(options, overrides)
     check_target(target)
     if str(device) != "cpu":
         check_device(device)
     start = time.perf_counter()
-    the_plan = plan(
-        model, tp_size=tp_size, rank=rank, dtype=dtype, expert_parallel=expert_parallel, expert_placement=expert_placement,
-        num_redundant_experts=num_redundant_experts, quantization=quantization, load_format=load_format,
-        allow_pickle=allow_pickle, spec=spec, revision=revision, text_only=text_only,
-    )
+    the_plan = plan(model, tp_size=tp_size, rank=rank, options=opts)
     plan_seconds = time.perf_counter() - start
     tensors, stats = execute(
-        the_plan, read, progress=progress,
+        the_plan, opts.read, progress=opts.progress,
         consume=lambda param, dense: quantize_online(the_plan, param, dense),
         consumed=lambda param: is_online_weight(the_plan, param),
     )
@@ -261,64 +222,27 @@ def load(
     return to_device(state, device) if str(device) != "cpu" else state
 
 
-def load_jax(
-    model: Model | Mapping[str, Any],
-    mesh: Any,
-    *,
-    tp_axis: str = "tp",
-    dtype: Any = None,
-    expert_parallel: bool = False,
-    expert_placement: str = "linear",
-    num_redundant_experts: int = 0,
-    load_format: str = "auto",
-    allow_pickle: bool = False,
-    read: ReadOptions = ReadOptions(),
-    reader: Reader | None = None,
-    revision: str | None = None,
-) -> dict[str, Any]:
-    """Every parameter as a global ``jax.Array`` sharded over ``mesh``: ``tp_size`` is the size
-    of ``tp_axis`` and other mesh axes replicate. The shard of the device at tensor-parallel
-    coordinate ``r`` is rank ``r``'s tensor from :func:`load`; each process plans and reads only
-    the ranks its own devices hold. Options as for :func:`plan`; ``reader`` (optional, from
-    ``functional_load.io.reader_for``) is used for every read, e.g. to count this process's bytes."""
-    if tp_axis not in mesh.axis_names:
-        raise ConfigError(f"mesh axes {mesh.axis_names} have no tensor-parallel axis {tp_axis!r}; pass tp_axis=")
-    tp_size = mesh.shape[tp_axis]
-    if not isinstance(model, Mapping):  # a Hub repo id is resolved (and downloaded) once, for every rank
-        model = resolve_model_dir(model, revision, load_format, allow_pickle)
-    plans: dict[int, Plan] = {}
-
-    def plan_of(rank: int) -> Plan:
-        if rank not in plans:
-            plans[rank] = plan(
-                model, tp_size=tp_size, rank=rank, dtype=dtype, expert_parallel=expert_parallel,
-                expert_placement=expert_placement, num_redundant_experts=num_redundant_experts,
-                load_format=load_format, allow_pickle=allow_pickle,
-            )
-        return plans[rank]
-
-    if reader is not None:
-        return global_arrays(plan_of, mesh, tp_axis, reader)
-    with reader_for(plan_of(local_tp_ranks(mesh, tp_axis)[0]), read) as own:
-        return global_arrays(plan_of, mesh, tp_axis, own)
-
-
-def save_sharded(source: Model | Iterable[LoadedState], out_dir: Model, tp_size: int | None = None, **options: Any) -> Path:
+def save_sharded(
+    source: Model | Iterable[LoadedState], out_dir: Model, tp_size: int | None = None, *, options: LoadOptions = LoadOptions(),
+    **overrides: Any,
+) -> Path:
     """Save every rank of a layout to ``out_dir`` once, atomically, with a manifest of sizes,
     SHA-256 and the boxes each rank holds; ``load(out_dir, ...)`` reads it back at that tp size
     (each rank its own file) or reshards it to another.
 
     ``source`` is a checkpoint directory (then ``tp_size`` is required, and each rank is loaded
-    in turn with ``options`` as for :func:`load`, ``revision`` included for a Hub repo id) or
-    the :class:`LoadedState` of every rank.
+    in turn with ``options``, as for :func:`load`) or the :class:`LoadedState` of every rank.
     """
+    opts = resolve_options(options, overrides)
     if isinstance(source, (str, os.PathLike)):
         if tp_size is None:
             raise ConfigError("save_sharded(model_dir, out_dir, tp_size): tp_size is required for a checkpoint directory")
-        options.setdefault("progress", False)
-        directory = resolve_model_dir(
-            source, options.pop("revision", None), options.get("load_format", "auto"), options.get("allow_pickle", False)
-        )
-        states: Iterable[LoadedState] = (load(directory, tp_size=tp_size, rank=r, **options) for r in range(tp_size))
+        if "progress" not in overrides and options.progress is None:
+            opts = opts.replace(progress=False)
+        directory = resolve_model_dir(source, opts.revision, opts.load_format, opts.allow_pickle)
+        local = opts.replace(revision=None)
+        states: Iterable[LoadedState] = (load(directory, tp_size=tp_size, rank=r, options=local) for r in range(tp_size))
         return write_sharded(states, out_dir, directory)
+    if overrides or options != LoadOptions():
+        raise ConfigError("save_sharded(states, out_dir): the states are loaded already; options apply to a checkpoint directory")
     return write_sharded(source, out_dir)

@@ -75,3 +75,23 @@ def to_torch(name: str) -> Any:
     import torch
 
     return getattr(torch, name)
+
+
+def to_numpy(name: str) -> Any:
+    """The numpy dtype for a torch dtype name (bfloat16 and the float8 formats from ml_dtypes)."""
+    import ml_dtypes
+    import numpy as np
+
+    if name == "bfloat16" or name.startswith("float8"):
+        return np.dtype(getattr(ml_dtypes, name))
+    return np.dtype(name)
+
+
+def numpy_name(dtype: Any) -> str:
+    """The torch dtype name of a numpy or JAX dtype (``jnp.bfloat16`` -> ``"bfloat16"``)."""
+    import numpy as np
+
+    name = np.dtype(dtype).name
+    if name not in TORCH_TO_SAFETENSORS:
+        raise ValueError(f"dtype {name!r} has no safetensors equivalent")
+    return name

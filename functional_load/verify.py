@@ -18,6 +18,7 @@ from .checkpoint import FileSpan, PickleEntry, SavedBoxes, TensorInfo
 from .checkpoint.pickles import safe_torch_load
 from .errors import ConfigError
 from .io import ReadOptions, execute, reader_for
+from .layout.placement import Same
 from .plan import Plan
 
 
@@ -129,7 +130,7 @@ def verify_ranks(
         if not bool(mask.all()):
             problems.append(f"{name}: {int((~mask).sum())} elements are held by no rank")
     for param in plans[0].params:
-        if all(p.param(param.spec.name).spec.sharding.tp_dim(p.parallel) is None for p in plans):
+        if all(isinstance(p.param(param.spec.name).spec.sharding.placement(p.parallel), Same) for p in plans):
             first = _bits(states[0][param.spec.name])
             for state, the_plan in zip(states[1:], plans[1:]):
                 if not torch.equal(first, _bits(state[param.spec.name])):

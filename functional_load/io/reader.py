@@ -10,6 +10,7 @@ checkpoint records is hashed before its first read.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import threading
@@ -67,6 +68,35 @@ class Reader:
             self._read_pickle(info, location, box, out)
         else:
             self._read_saved(info, location, box, out)
+
+    def read_view(self, info: TensorInfo, view: tuple[tuple[int, ...], ...], box: Box, out: memoryview) -> None:
+        """Fill ``out`` with ``box`` of ``info`` seen with each dimension split into axes (``view``:
+        the axis sizes of each dimension, row-major; the box is over the axes). A file span reads
+        exactly the box's byte runs; other locations read the box's bounding box in the tensor's
+        own shape, then pick the box from it."""
+        axes = tuple(n for dim in view for n in dim)
+        if axes == info.shape:
+            self.read_into(info, box, out)
+        elif isinstance(info.location, FileSpan):
+            self._verify(info.location.file)
+            self.files.read_into(dataclasses.replace(info, shape=axes), box, out)
+        else:
+            flat, at = [], 0
+            for dim in view:  # each dimension's indices the box holds, row-major over its axes
+                ranges = [np.arange(*box[at + j]) for j in range(len(dim))]
+                strides = [int(np.prod(dim[j + 1 :])) for j in range(len(dim))]
+                grid = np.zeros(1, dtype=np.int64)
+                for r, stride in zip(ranges, strides):
+                    grid = (grid[:, None] + r[None, :] * stride).reshape(-1)
+                flat.append(grid)
+                at += len(dim)
+            outer = tuple((int(f.min()), int(f.max()) + 1) for f in flat)
+            item = itemsize(info.dtype)
+            chunk = np.empty(box_volume(outer) * item, dtype=np.uint8)
+            self.read_into(info, outer, memoryview(chunk).cast("B"))  # type: ignore[arg-type]
+            block = chunk.reshape(tuple(b - a for a, b in outer) + (item,))
+            picked = block[np.ix_(*(f - lo for f, (lo, _) in zip(flat, outer)), np.arange(item))]
+            np.copyto(np.frombuffer(out, dtype=np.uint8), picked.reshape(-1))
 
     def _verify(self, path: Path) -> None:
         if not self.options.verify_hashes or path in self._verified or path not in self._checksums:

@@ -14,6 +14,7 @@ from typing import Any
 from ..errors import ConfigError, ShardingError
 from ..model.mapping import ShardId
 from .parallel import Parallel
+from .placement import Along, Placement
 from .segments import Box, Piece, Range, full_box, segment_offsets, with_range
 from .sharding import Part, Sharding, Slot, Split, _no_expert, _scalar
 
@@ -213,8 +214,8 @@ class Blocked(Sharding):
     def segment_ranges(self, shape: tuple[int, ...], parallel: Parallel) -> list[tuple[ShardId | None, Range]]:
         return [(p.segment, p.dst) for p in self.pieces(parallel, fused=False)]
 
-    def tp_dim(self, parallel: Parallel) -> int | None:
-        return self.split.tp_dim(parallel)
+    def placement(self, parallel: Parallel) -> Placement:
+        return self.split.placement(parallel)
 
     @property
     def split_dim(self) -> int | None:
@@ -306,8 +307,8 @@ class ExpertBlocks(Sharding):
         expected = (coarse_rows * len(ids), cols[0][1])
         return Part(pairs, (), expected, repeat=_repeat(bn // rn, bk // rk))
 
-    def tp_dim(self, parallel: Parallel) -> int | None:
-        return 1 if self.down else 0
+    def placement(self, parallel: Parallel) -> Placement:
+        return Along(1 if self.down else 0)
 
     @property
     def split_dim(self) -> int | None:

@@ -15,6 +15,7 @@ from typing import Any
 from ..errors import ConfigError, ShardingError
 from ..model.mapping import ShardId
 from .parallel import Parallel
+from .placement import Along, PerRank, Placement, Same
 from .segments import Box, Piece, Range, Segment, full_box, segment_offsets, segment_pieces, segment_width, vocab_shard, with_range
 
 Slot = Any  # a key of what must be filled: a segment id, (expert slot, segment id) or None
@@ -85,9 +86,10 @@ class Sharding:
     def segment_ranges(self, shape: tuple[int, ...], parallel: Parallel) -> list[tuple[ShardId | None, Range]]:
         return [(None, (0, shape[0] if shape else 1))]
 
-    def tp_dim(self, parallel: Parallel) -> int | None:
-        """The dimension along which ranks hold different blocks (None: the same everywhere)."""
-        return None
+    def placement(self, parallel: Parallel) -> Placement:
+        """Where the values live across the ranks: the same on every rank, split along a
+        dimension, or different per rank (:mod:`.placement`)."""
+        return Same()
 
     @property
     def split_dim(self) -> int | None:
@@ -204,8 +206,8 @@ class Split(Sharding):
         units = {s.unit for s in self.segments if s.id in self.segment_ids(shard_id)}
         return units.pop() if self.dim == 0 and len(units) == 1 else 0
 
-    def tp_dim(self, parallel: Parallel) -> int | None:
-        return None if self.disable_tp else self.dim
+    def placement(self, parallel: Parallel) -> Placement:
+        return Same() if self.disable_tp else Along(self.dim)
 
     @property
     def split_dim(self) -> int | None:
@@ -245,8 +247,8 @@ class VocabSplit(Sharding):
         zeros = (with_range(local, 0, (n, shard.per_partition)),) if n < shard.per_partition else ()
         return Part(pairs, zeros, shape)
 
-    def tp_dim(self, parallel: Parallel) -> int | None:
-        return 0
+    def placement(self, parallel: Parallel) -> Placement:
+        return Along(0)
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": "vocab", "vocab": self.vocab, "padding": self.padding}
@@ -307,11 +309,10 @@ class ExpertSplit(Sharding):
         expected = (self.num_experts,) + inner.expected
         return Part(pairs, zeros, expected, inner.check, transpose=self.input_major, repeat=_lead(inner.repeat))
 
-    def tp_dim(self, parallel: Parallel) -> int | None:
+    def placement(self, parallel: Parallel) -> Placement:
         if parallel.expert_parallel:
-            return 0
-        dim = self.inner.tp_dim(parallel.expert_tp)
-        return None if dim is None else dim + 1
+            return Along(0)
+        return self.inner.placement(parallel.expert_tp).shifted(1)
 
     @property
     def split_dim(self) -> int | None:
@@ -335,6 +336,9 @@ class FirstRank(Sharding):
         if parallel.rank == 0:
             return Part(((full_box(shape), full_box(shape), None),), (), shape)
         return Part((), (full_box(shape),), shape)
+
+    def placement(self, parallel: Parallel) -> Placement:
+        return PerRank() if parallel.tp_size > 1 else Same()
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": "first_rank"}
@@ -376,8 +380,8 @@ class Grouped(Sharding):
     def segment_ranges(self, shape: tuple[int, ...], parallel: Parallel) -> list[tuple[ShardId | None, Range]]:
         return self.inner.segment_ranges(shape, parallel)
 
-    def tp_dim(self, parallel: Parallel) -> int | None:
-        return self.inner.tp_dim(parallel)
+    def placement(self, parallel: Parallel) -> Placement:
+        return self.inner.placement(parallel)
 
     @property
     def split_dim(self) -> int | None:

@@ -9,6 +9,7 @@ Sizes are expressions over config keys (:mod:`.expressions`).
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -155,6 +156,9 @@ def _read_toml(text: str, source: str) -> dict[str, Any]:
         raise ConfigError(f"{source}: invalid TOML: {exc}") from None
 
 
+SPEC_PATH_ENV = "FUNCTIONAL_LOAD_SPEC_PATH"  # directories of out-of-tree specs, searched before the built-in ones
+
+
 def _builtin_raw() -> dict[str, tuple[dict[str, Any], str]]:
     raw = {}
     for entry in resources.files("functional_load.specs").iterdir():
@@ -162,6 +166,24 @@ def _builtin_raw() -> dict[str, tuple[dict[str, Any], str]]:
             source = f"specs/{entry.name}"
             data = _read_toml(entry.read_text(), source)
             raw[data.get("name", entry.name[:-5])] = (data, source)
+    return raw
+
+
+def spec_dirs() -> list[Path]:
+    """The directories of ``$FUNCTIONAL_LOAD_SPEC_PATH`` (``os.pathsep``-separated), read at call time."""
+    return [Path(d) for d in os.environ.get(SPEC_PATH_ENV, "").split(os.pathsep) if d]
+
+
+def _all_raw() -> dict[str, tuple[dict[str, Any], str]]:
+    """Every spec by name: those on the search path first (they replace a built-in of the same
+    name), then the built-in ones."""
+    raw = _builtin_raw()
+    for directory in reversed(spec_dirs()):
+        if not directory.is_dir():
+            raise ConfigError(f"{SPEC_PATH_ENV} names {directory}, which is not a directory of spec .toml files")
+        for path in sorted(directory.glob("*.toml")):
+            data = _read_toml(path.read_text(), str(path))
+            raw[data.get("name", path.stem)] = (data, str(path))
     return raw
 
 
@@ -213,10 +235,12 @@ def _resolve(
 
 
 def load_spec(path: str | Path) -> ArchSpec:
-    """Read one spec file; ``extends`` may name a built-in spec."""
+    """Read one spec file; ``extends`` may name a built-in spec or one on the search path."""
     path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"spec file {path} does not exist")
     data = _read_toml(path.read_text(), str(path))
-    return parse_spec(_resolve(data, str(path), _builtin_raw()), str(path))
+    return parse_spec(_resolve(data, str(path), _all_raw()), str(path))
 
 
 def builtin_specs() -> dict[str, ArchSpec]:
@@ -225,9 +249,27 @@ def builtin_specs() -> dict[str, ArchSpec]:
     return {name: parse_spec(_resolve(data, source, raw), source) for name, (data, source) in raw.items()}
 
 
+def available_specs() -> dict[str, ArchSpec]:
+    """Every spec a load can pick: ``$FUNCTIONAL_LOAD_SPEC_PATH``'s, then the built-in ones."""
+    raw = _all_raw()
+    return {name: parse_spec(_resolve(data, source, raw), source) for name, (data, source) in raw.items()}
+
+
+def find_spec(name_or_path: str | Path) -> ArchSpec:
+    """A spec by file path (``.toml``) or by name (search path, then built-in)."""
+    if isinstance(name_or_path, Path) or str(name_or_path).endswith(".toml"):
+        return load_spec(name_or_path)
+    specs = available_specs()
+    if name_or_path not in specs:
+        raise ConfigError(
+            f"no architecture spec named {name_or_path!r}; known: {sorted(specs)} (a spec file path must end in .toml)"
+        )
+    return specs[name_or_path]
+
+
 def spec_for_config(config: Mapping[str, Any], specs: Mapping[str, ArchSpec] | None = None) -> ArchSpec:
     """The spec whose ``architectures`` lists the config's first architecture (or its model_type)."""
-    specs = builtin_specs() if specs is None else specs
+    specs = available_specs() if specs is None else specs
     wanted = config.get("architectures") or []
     model_type = config.get("model_type")
     if not isinstance(wanted, list) or not all(isinstance(a, str) for a in wanted) or not isinstance(model_type, (str, type(None))):
@@ -243,6 +285,19 @@ def spec_for_config(config: Mapping[str, Any], specs: Mapping[str, ArchSpec] | N
         return specs[model_type]
     supported = sorted(a for s in specs.values() for a in s.architectures)
     raise ConfigError(
-        f"no architecture spec for architectures={wanted} (model_type={model_type!r}); supported: {supported}. "
-        f"Add a specs/<arch>.toml for it (see docs/design.md)"
+        f"no architecture spec for architectures={wanted} (model_type={model_type!r}){_closest(model_type, wanted, specs)}; "
+        f"supported: {supported}. Write a spec for it (docs/adding-an-architecture.md), often `extends` of the closest "
+        f"family, then pass spec= (or --spec FILE), or put it in a directory on {SPEC_PATH_ENV}; "
+        f"`functional-load check-spec SPEC` proves it against transformers and vLLM"
     )
+
+
+def _closest(model_type: Any, architectures: list[str], specs: Mapping[str, ArchSpec]) -> str:
+    """``; the closest supported family is ...`` by name similarity, or nothing."""
+    import difflib
+
+    names = {name: name for name in specs} | {a.lower(): s.name for s in specs.values() for a in s.architectures}
+    keys = [k.lower().removesuffix("forcausallm") for k in ([model_type] if isinstance(model_type, str) else []) + architectures]
+    best = [difflib.get_close_matches(k, list(names), n=1, cutoff=0.5) for k in keys]
+    found = [names[b[0]] for b in best if b]
+    return f"; the closest supported family is {found[0]!r}" if found else ""

@@ -1,79 +1,117 @@
-"""Global ``jax.Array``s with a ``NamedSharding``, built from the same per-rank plans as torch.
+"""vLLM's layout as a JAX target: one global ``jax.Array`` per vLLM parameter.
 
-The tensor-parallel rank of a device is its coordinate along the mesh's ``tp_axis``. A
-parameter split over ranks becomes one global array whose shards along that axis are exactly
-the rank-local blocks of the torch path (rank-major: ``[rank 0 block; rank 1 block; ...]``), so
-a ``shard_map`` kernel sees what a torch rank sees. Replicated parameters are replicated.
-Arrays are built with ``jax.make_array_from_callback``: each process plans and reads only the
-ranks its addressable devices hold, through the one reader of every load.
+The tensor-parallel rank of a device is its coordinate along the mesh's ``tp_axes`` (several
+axes: their row-major flattened coordinate, as a ``PartitionSpec`` entry naming them shards). A
+parameter's placement (:mod:`functional_load.layout.placement`) decides its global form: the
+same on every rank, replicated (``P()``); split along dimension ``d``, the rank blocks back to
+back along ``d`` (rank-major: ``[rank 0 block; rank 1 block; ...]``, so a fused ``qkv_proj``'s
+rows are each rank's ``[q; k; v]`` with vLLM's KV-head replication, not the checkpoint's rows);
+different per rank (gpt-oss ``w2_bias``), a new leading dimension of one entry per rank. Each
+process plans and reads only the ranks its devices hold, through :mod:`.arrays`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
+from ..dtypes import to_numpy
 from ..errors import ConfigError, ShardingError
 from ..io.fill import load_param
 from ..io.reader import Reader
+from ..layout.axes import Range
+from ..layout.placement import Along, PerRank
 from ..plan.plan import Plan
-from ..transform.dlpack import to_jax
+from ..plan.target import Leaf
+from .arrays import build_arrays
 
 
-def local_tp_ranks(mesh: Any, tp_axis: str) -> list[int]:
-    """The tensor-parallel ranks of this process's devices (their coordinates along ``tp_axis``)."""
-    import numpy as np
+def tp_axes_of(mesh: Any, tp_axis: str | Sequence[str]) -> tuple[str, ...]:
+    """The mesh axes that carry tensor parallelism (checked against the mesh)."""
+    axes = (tp_axis,) if isinstance(tp_axis, str) else tuple(tp_axis)
+    missing = [a for a in axes if a not in mesh.axis_names]
+    if missing or not axes:
+        raise ConfigError(f"mesh axes {tuple(mesh.axis_names)} have no tensor-parallel axis {missing or axes}; pass tp_axis=")
+    return axes
 
-    if tp_axis not in mesh.axis_names:
-        raise ConfigError(f"mesh axes {mesh.axis_names} have no tensor-parallel axis {tp_axis!r}; pass tp_axis=")
-    axis = mesh.axis_names.index(tp_axis)
-    return sorted({int(np.argwhere(mesh.devices == d)[0][axis]) for d in mesh.local_devices})
+
+def tp_rank(mesh: Any, axes: tuple[str, ...], device: Any) -> int:
+    """The tensor-parallel rank of ``device``: its row-major coordinate over ``axes``."""
+    where = np.argwhere(mesh.devices == device)[0]
+    rank = 0
+    for axis in axes:
+        i = mesh.axis_names.index(axis)
+        rank = rank * mesh.shape[axis] + int(where[i])
+    return rank
 
 
-def global_arrays(plan_of: Callable[[int], Plan], mesh: Any, tp_axis: str, reader: Reader) -> dict[str, Any]:
-    """Every parameter as a global array sharded over ``mesh`` (other mesh axes replicate);
-    ``plan_of(rank)`` is the plan of a tensor-parallel rank, asked only for local ranks."""
-    import jax
-    import numpy as np
+def local_tp_ranks(mesh: Any, tp_axis: str | Sequence[str]) -> list[int]:
+    """The tensor-parallel ranks of this process's devices."""
+    axes = tp_axes_of(mesh, tp_axis)
+    return sorted({tp_rank(mesh, axes, d) for d in mesh.local_devices})
+
+
+def _numpy(tensor: Any) -> np.ndarray:
+    """A CPU torch tensor's memory as a numpy array of the same dtype (bfloat16, float8 included)."""
+    import torch
+
+    name = str(tensor.dtype).removeprefix("torch.")
+    flat = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
+    return flat.view(to_numpy(name)).reshape(tuple(tensor.shape))
+
+
+def vllm_arrays(
+    plan_of: Callable[[int], Plan], mesh: Any, tp_axis: str | Sequence[str], reader: Reader, *, threads: int = 4, bar: Any = None
+) -> dict[str, Any]:
+    """Every parameter of vLLM's layout as a global array over ``mesh``; ``plan_of(rank)`` is
+    the plan of a tensor-parallel rank, asked only for this process's ranks."""
     from jax.sharding import NamedSharding, PartitionSpec
 
-    tp_size = mesh.shape[tp_axis]
-    local_ranks = local_tp_ranks(mesh, tp_axis)
-    first = plan_of(local_ranks[0])
-    out: dict[str, Any] = {}
+    axes = tp_axes_of(mesh, tp_axis)
+    tp_size = math.prod(mesh.shape[a] for a in axes)
+    entry: Any = axes[0] if len(axes) == 1 else axes
+    local = local_tp_ranks(mesh, axes)
+    first = plan_of(local[0])
+    leaves: list[Leaf] = []
+    forms: list[tuple[str, Any]] = []
     for param in first.params:
         spec = param.spec
-        dim = spec.sharding.tp_dim(first.parallel)
-        shapes = {plan_of(r).param(spec.name).spec.local_shape for r in local_ranks}
+        shapes = {plan_of(r).param(spec.name).spec.local_shape for r in local}
         if len(shapes) > 1:
             raise ShardingError(
                 f"{spec.name}: ranks hold blocks of different shapes {sorted(shapes)}, which one global array "
                 f"cannot shard evenly (e.g. a number of experts that does not divide over the ranks)"
             )
-        local = spec.local_shape
-        if dim is None:
-            global_shape, pspec = local, PartitionSpec()
+        shape, placement = spec.local_shape, spec.sharding.placement(first.parallel)
+        if isinstance(placement, Along):
+            d = placement.dim
+            global_shape, pspec = shape[:d] + (shape[d] * tp_size,) + shape[d + 1 :], PartitionSpec(*([None] * d + [entry]))
+        elif isinstance(placement, PerRank):
+            global_shape, pspec = (tp_size, *shape), PartitionSpec(entry)
         else:
-            global_shape = local[:dim] + (local[dim] * tp_size,) + local[dim + 1 :]
-            pspec = PartitionSpec(*([None] * dim + [tp_axis]))
-        cache: dict[int, Any] = {}
+            global_shape, pspec = shape, PartitionSpec()
+        leaves.append(Leaf(spec.name, global_shape, spec.dtype, NamedSharding(mesh, pspec)))
+        forms.append((spec.name, placement))
+    def rank_param(name: str, rank: int) -> np.ndarray:  # each distinct box asks once (see .arrays)
+        plan = plan_of(rank)
+        return _numpy(load_param(plan, plan.param(name), reader))
 
-        size = local[dim] if dim is not None else 0
+    def block(i: int, box: tuple[Range, ...]) -> np.ndarray:
+        name, placement = forms[i]
+        if isinstance(placement, Along):
+            d, size = placement.dim, leaves[i].shape[placement.dim] // tp_size
+            data = rank_param(name, box[d][0] // size)
+            return data[tuple(slice(0, size) if j == d else slice(a, b) for j, (a, b) in enumerate(box))]
+        if isinstance(placement, PerRank):
+            data = rank_param(name, box[0][0])[None]
+            return data[(slice(0, 1), *(slice(a, b) for a, b in box[1:]))]
+        return rank_param(name, local[0])[tuple(slice(a, b) for a, b in box)]
 
-        def block(
-            index: Any, name: str = spec.name, dim: int | None = dim, size: int = size, cache: dict[int, Any] = cache
-        ) -> Any:
-            rank = local_ranks[0] if dim is None else (index[dim].start or 0) // size
-            if rank not in cache:
-                plan = plan_of(rank)
-                cache[rank] = np.asarray(to_jax(load_param(plan, plan.param(name), reader)))
-            data = cache[rank]
-            if dim is None:
-                return data[index]
-            return data[tuple(slice(None) if d == dim else index[d] for d in range(len(index)))]
-
-        out[spec.name] = jax.make_array_from_callback(global_shape, NamedSharding(mesh, pspec), block)
-        cache.clear()
+    arrays = build_arrays(leaves, block, threads=threads, bar=bar)
+    out = {leaf.key: array for leaf, array in zip(leaves, arrays)}
     for alias, target in first.aliases.items():
         out[alias] = out[target]
     return out

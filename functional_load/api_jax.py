@@ -1,0 +1,233 @@
+"""``load_jax``: a checkpoint into ``jax.Array``s, in vLLM's layout or in a JAX stack's own.
+
+``load_jax(model, mesh)`` gives vLLM's layout (:mod:`.output.jax`): one global array per vLLM
+parameter, tensor parallelism along ``tp_axis`` (one mesh axis or several). ``load_jax(model,
+target=tree, mapping=map)`` fills a stack's own abstract parameter tree (leaves
+``jax.ShapeDtypeStruct`` with a sharding over any mesh) through a target map
+(:mod:`.model.targetmap`): the whole target is planned and validated before a byte is read, then
+each process reads only the source boxes its devices' shards need (:mod:`.plan.target`,
+:mod:`.output.arrays`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .api import Model, _checkpoint, plan, resolve_model_dir
+from .checkpoint.sharded import read_manifest
+from .dtypes import numpy_name, to_numpy, torch_name
+from .errors import ConfigError, PlanError
+from .io import Reader, reader_for
+from .io.execute import show_progress
+from .layout.axes import Range
+from .layout.build import build_layout
+from .model.config import checkpoint_format, model_dtype, read_config
+from .model.quant import parse_quant_config
+from .model.spec import spec_for_config
+from .model.targetmap import Drop, TargetMap, as_target_map
+from .options import LoadOptions, resolve_options
+from .output.arrays import build_arrays, device_boxes, file_order
+from .output.jax import local_tp_ranks, tp_axes_of, vllm_arrays
+from .plan import Plan
+from .plan.target import Leaf, TargetPlan, plan_target
+from .transform.arrange import arrange_block, block_bytes
+
+
+def load_jax(
+    model: Model | Mapping[str, Any],
+    mesh: Any = None,
+    *,
+    target: Any = None,
+    mapping: Any = None,
+    tp_axis: str | Sequence[str] = "tp",
+    reader: Reader | None = None,
+    options: LoadOptions = LoadOptions(),
+    **overrides: Any,
+) -> Any:
+    """A checkpoint as ``jax.Array``s: vLLM's layout over ``mesh``, or the stack's own ``target``.
+
+    * ``load_jax(model, mesh, tp_axis="tp")``: ``{vLLM name: global array}``; the tensor-parallel
+      size is the size of ``tp_axis`` (a tuple of axes: their product, a device's rank its
+      row-major coordinate over them); other axes replicate. Each shard is the rank tensor
+      :func:`~functional_load.load` gives that rank.
+    * ``load_jax(model, target=tree, mapping=map)``: ``tree`` is any pytree (dicts, lists, a
+      Flax NNX ``State`` from ``nnx.eval_shape``) of ``jax.ShapeDtypeStruct`` leaves with a
+      sharding; ``map`` a :class:`~functional_load.TargetMap`, a dict of leaf key path ->
+      :class:`~functional_load.Rule`, a ``.toml`` path or a shipped map's name. Returns the same
+      structure with global arrays of the leaves' shapes, dtypes and shardings.
+
+    ``options`` (:class:`LoadOptions`, or its fields as keywords) as for every entry point; with
+    a ``target``, the leaves decide dtypes and placement, so ``dtype``, ``quantization`` and the
+    expert options do not apply. ``reader`` (from ``functional_load.io.reader_for``, optional) is
+    used for every read, e.g. to count this process's bytes.
+    """
+    opts = resolve_options(options, overrides)
+    if target is None:
+        if mesh is None:
+            raise ConfigError("load_jax needs a mesh (vLLM's layout) or a target tree and its mapping")
+        if mapping is not None:
+            raise ConfigError("mapping= applies to a target tree: pass target= too, or leave mapping out for vLLM's layout")
+        return _vllm_layout(model, mesh, tp_axis, reader, opts)
+    if mapping is None:
+        raise ConfigError("load_jax(target=...) needs mapping=: a TargetMap, a dict of leaf -> Rule, a .toml file or a shipped map name")
+    if mesh is not None:
+        raise ConfigError("with target=, the leaves' shardings name the mesh; leave mesh out")
+    return _target(model, target, as_target_map(mapping), reader, opts)
+
+
+def _vllm_layout(model: Any, mesh: Any, tp_axis: str | Sequence[str], reader: Reader | None, opts: LoadOptions) -> dict[str, Any]:
+    axes = tp_axes_of(mesh, tp_axis)
+    tp_size = 1
+    for a in axes:
+        tp_size *= mesh.shape[a]
+    if not isinstance(model, Mapping):  # a Hub repo id is resolved (and downloaded) once, for every rank
+        model = resolve_model_dir(model, opts.revision, opts.load_format, opts.allow_pickle)
+    local = opts.replace(revision=None)
+    plans: dict[int, Plan] = {}
+    lock = threading.Lock()
+
+    def plan_of(rank: int) -> Plan:
+        with lock:
+            if rank not in plans:
+                plans[rank] = plan(model, tp_size=tp_size, rank=rank, options=local)
+            return plans[rank]
+
+    first = plan_of(local_tp_ranks(mesh, axes)[0])
+    bar = _bar(opts, first.bytes_to_read * len(local_tp_ranks(mesh, axes)), "load_jax")
+    try:
+        if reader is not None:
+            return vllm_arrays(plan_of, mesh, axes, reader, threads=opts.read.threads, bar=bar)
+        with reader_for(first, opts.read) as own:
+            return vllm_arrays(plan_of, mesh, axes, own, threads=opts.read.threads, bar=bar)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _bar(opts: LoadOptions, total: int, what: str) -> Any:
+    if not show_progress(opts.progress, total):
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, desc=what)
+
+
+def key_path(path: Sequence[Any]) -> str:
+    """A leaf's ``jax.tree_util`` key path joined with ``"."``: a dict key as it is, an attribute
+    by name, a sequence position as its number."""
+    parts = []
+    for key in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+        else:
+            parts.append(str(key))
+    return ".".join(parts)
+
+
+def target_leaves(tree: Any) -> tuple[list[Leaf], Any]:
+    """The leaves of a target tree and its structure; every leaf must be a ``ShapeDtypeStruct``
+    (or anything with shape, dtype and sharding) with a sharding."""
+    import jax
+
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    leaves, problems = [], []
+    for path, leaf in flat:
+        key = key_path(path)
+        sharding = getattr(leaf, "sharding", None)
+        if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+            problems.append(f"target leaf {key!r} is a {type(leaf).__name__}, not a jax.ShapeDtypeStruct (shape, dtype, sharding)")
+        elif sharding is None or not hasattr(sharding, "addressable_devices_indices_map"):
+            problems.append(f"target leaf {key!r} has no sharding; give it a jax.sharding.NamedSharding over the mesh")
+        else:
+            try:
+                leaves.append(Leaf(key, tuple(int(n) for n in leaf.shape), numpy_name(leaf.dtype), sharding))
+            except ValueError as exc:
+                problems.append(f"target leaf {key!r}: {exc}")
+    if problems:
+        raise PlanError(problems)
+    return leaves, treedef
+
+
+def _not_for_targets(opts: LoadOptions) -> None:
+    default = LoadOptions()
+    wrong = [f for f in ("dtype", "quantization", "expert_parallel", "expert_placement", "num_redundant_experts")
+             if getattr(opts, f) != getattr(default, f)]
+    if wrong:
+        raise ConfigError(
+            f"option(s) {wrong} do not apply to load_jax(target=...): the target's leaves give dtypes and shardings, the map the layout"
+        )
+    if opts.dummy:
+        raise ConfigError("load_format='dummy' is not supported with a target tree; use load_jax(model, mesh) for vLLM's dummy layout")
+
+
+def spec_drops(config: Mapping[str, Any], opts: LoadOptions) -> tuple[Drop, ...]:
+    """Checkpoint tensors the architecture spec says are no parameter (multi-token-prediction
+    layers...), and with ``text_only`` the vision tower: a target need not take them."""
+    import re
+
+    try:
+        spec = opts.arch_spec() or spec_for_config(config)
+        layout = build_layout(config, spec, opts.parallel(1, 0), model_dtype(None, config), parse_quant_config(config),
+                              report=False, text_only=opts.text_only)
+    except ConfigError:
+        return ()  # no spec for this architecture: only the map's drops apply
+    drops = [Drop("^" + re.escape(prefix), why) for prefix, why in layout.drops]
+    drops += [Drop("^" + re.escape(pattern).replace(re.escape("{layer}"), r"\d+") + r"\.", why) for pattern, why in layout.left_out]
+    return tuple(drops)
+
+
+def plan_jax_target(model: Any, tree: Any, target_map: TargetMap, opts: LoadOptions) -> tuple[TargetPlan, Any]:
+    """The validated plan of a target tree (no tensor byte read) and the tree's structure."""
+    _not_for_targets(opts)
+    leaves, treedef = target_leaves(tree)
+    directory = resolve_model_dir(model, opts.revision, opts.load_format, opts.allow_pickle)
+    manifest = read_manifest(directory)
+    fmt = "hf" if manifest is not None else checkpoint_format(directory, opts.load_format)
+    config = read_config(directory, fmt)
+    checkpoint = _checkpoint(directory, manifest, 0, opts.load_format, opts.allow_pickle)
+    full = TargetMap(target_map.rules, target_map.dims, target_map.drops + spec_drops(config, opts), target_map.name, target_map.source)
+    return plan_target(leaves, full, checkpoint, config), treedef
+
+
+def _target(model: Any, tree: Any, target_map: TargetMap, reader: Reader | None, opts: LoadOptions) -> Any:
+    import jax
+    import numpy as np
+
+    the_plan, treedef = plan_jax_target(model, tree, target_map, opts)
+    leaves = [p.leaf for p in the_plan.leaves]
+
+    def block(i: int, box: tuple[Range, ...]) -> np.ndarray:
+        leaf_plan = the_plan.leaves[i]
+        arrangement = leaf_plan.arrangement
+        groups = tuple(tuple(arrangement.axes[a].size for a in g) for g in arrangement.source)
+
+        def read(which: tuple[int, ...], source_box: tuple[Range, ...]) -> np.ndarray:
+            info = leaf_plan.sources[which]
+            shape = tuple(b - a for a, b in source_box)
+            out = np.empty(shape, dtype=to_numpy(torch_name(info.dtype)))
+            active.read_view(info, groups, source_box, memoryview(out.reshape(-1).view(np.uint8)))  # type: ignore[arg-type]
+            return out
+
+        return arrange_block(arrangement, box, read, to_numpy(leaf_plan.leaf.dtype), leaf_plan.scale)
+
+    first = [_first_byte(p) for p in the_plan.leaves]
+    active = reader or Reader(opts.read, dict(the_plan.checksums))
+    total = sum(block_bytes(box, to_numpy(leaf.dtype)) for leaf in leaves for box in device_boxes(leaf))
+    bar = _bar(opts, total, "load_jax")
+    try:
+        arrays = build_arrays(leaves, block, threads=opts.read.threads, order=file_order(first), bar=bar)
+    finally:
+        if bar is not None:
+            bar.close()
+        if reader is None:
+            active.close()
+    return jax.tree_util.tree_unflatten(treedef, arrays)
+
+
+def _first_byte(leaf_plan: Any) -> tuple[str, int]:
+    info = min(leaf_plan.sources.values(), key=lambda i: (str(i.file), getattr(i.location, "offset", 0)))
+    return str(info.file), getattr(info.location, "offset", 0)

@@ -1,0 +1,311 @@
+"""``plan_target``: every leaf of a JAX target tree matched to its rule and sources, validated.
+
+Pure: names, shapes and dtypes only, no tensor byte. Every problem (a leaf with no rule or two,
+a missing source, shapes that disagree after the rearrangement, a sharding that does not divide,
+a dtype that cannot be cast, a checkpoint tensor no leaf takes) is collected into one
+:class:`PlanError`. A :class:`LeafPlan` then says, for any box of its leaf (a device's shard),
+which boxes of which checkpoint tensors to read (:meth:`LeafPlan.pieces`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from ..checkpoint import Checkpoint, TensorInfo
+from ..dtypes import torch_name
+from ..errors import ConfigError, PlanError
+from ..layout.axes import Arrangement, Axis, AxisRead, Range
+from ..model.expressions import Scope, evaluate
+from ..model.mapping import ROTARY_CACHES
+from ..model.pattern import solve_sizes
+from ..model.targetmap import Rule, TargetMap, placeholders
+
+Piece = tuple[tuple[Range, ...], tuple[AxisRead | None, ...]]
+_FLOAT = ("float16", "bfloat16", "float32", "float64")
+
+
+@dataclass(frozen=True, slots=True)
+class Leaf:
+    """One leaf of the target tree: its key path, shape, dtype (a numpy/torch name) and sharding."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+    sharding: Any  # a jax.sharding.Sharding
+
+
+@dataclass(frozen=True, slots=True)
+class LeafPlan:
+    """How one leaf is filled: its rule's arrangement over the source tensors, by stacked index."""
+
+    leaf: Leaf
+    rule: str  # the map key that matched
+    arrangement: Arrangement
+    sources: Mapping[tuple[int, ...], TensorInfo]
+    scale: float | None = None
+
+    def pieces(self, index: tuple[Range, ...]) -> list[Piece]:
+        """The pieces of box ``index`` of the leaf and how each is read (see :meth:`Arrangement.boxes`)."""
+        return self.arrangement.boxes(index)
+
+    def reads(self, index: tuple[Range, ...]) -> list[tuple[TensorInfo, tuple[Range, ...]]]:
+        """The boxes of source tensors (over their axes, :attr:`Arrangement.source_view`) box
+        ``index`` needs."""
+        out = []
+        k = self.arrangement.stacked
+        for _, axes in self.pieces(index):
+            if axes[0] is None:
+                continue
+            ranges = [range(*a.src) for a in axes[:k]]  # type: ignore[union-attr]
+            box = tuple(a.src for a in axes[k:])  # type: ignore[union-attr]
+            out += [(self.sources[which], box) for which in itertools.product(*ranges)]
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class TargetPlan:
+    """A validated plan for a whole target tree (every process's share)."""
+
+    model_dir: str
+    leaves: tuple[LeafPlan, ...]
+    tensors: Mapping[str, TensorInfo]
+    dropped: tuple[tuple[str, str], ...] = ()
+    checksums: Mapping[Any, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tensors", MappingProxyType(dict(self.tensors)))
+
+
+def _key_regex(key: str) -> re.Pattern[str]:
+    parts = re.split(r"(\{[A-Za-z_][A-Za-z0-9_]*\})", key)
+    body = "".join(f"(?P<{p[1:-1]}>\\d+)" if p.startswith("{") else re.escape(p) for p in parts)
+    return re.compile(body + r"\Z")
+
+
+class _Sources:
+    """Checkpoint tensor names by the literal text before their first number (fast enumeration)."""
+
+    def __init__(self, tensors: Mapping[str, TensorInfo]) -> None:
+        self.tensors = tensors
+
+    def enumerate(self, template: str, names: Sequence[str]) -> dict[tuple[int, ...], str]:
+        """``{(values of names): tensor}`` for every checkpoint tensor the template matches."""
+        prefix = template.split("{", 1)[0]
+        regex = _key_regex(template)
+        found = {}
+        for tensor in self.tensors:
+            if tensor.startswith(prefix):
+                match = regex.match(tensor)
+                if match:
+                    found[tuple(int(match.group(n)) for n in names)] = tensor
+        return found
+
+
+def plan_target(
+    leaves: Sequence[Leaf], target_map: TargetMap, checkpoint: Checkpoint, config: Mapping[str, Any],
+) -> TargetPlan:
+    """Match every leaf to exactly one rule, resolve and check its sources; raise one PlanError."""
+    problems: list[str] = []
+    scope = Scope(config, target_map.dims)
+    compiled = [(key, _key_regex(key), rule) for key, rule in target_map.rules.items()]
+    sources = _Sources(checkpoint.tensors)
+    plans: list[LeafPlan] = []
+    used: dict[str, TensorInfo] = {}
+    for leaf in leaves:
+        matches = [(key, m.groupdict(), rule) for key, regex, rule in compiled if (m := regex.match(leaf.key))]
+        if not matches:
+            problems.append(f"target leaf {leaf.key!r} has no rule in {target_map.name}; {_near(leaf.key, list(target_map.rules))}")
+            continue
+        if len(matches) > 1:
+            problems.append(f"target leaf {leaf.key!r} is matched by {len(matches)} rules of {target_map.name}: {[m[0] for m in matches]}")
+            continue
+        key, bound, rule = matches[0]
+        try:
+            plan = _leaf_plan(leaf, key, {k: int(v) for k, v in bound.items()}, rule, sources, scope, checkpoint)
+        except ConfigError as exc:
+            problems.append(f"target leaf {leaf.key!r} ({target_map.name} rule {key!r}): {exc}")
+            continue
+        plans.append(plan)
+        used.update({info.name: info for info in plan.sources.values()})
+    dropped = _unused(checkpoint, used, target_map, config, problems)
+    if problems:
+        raise PlanError(problems)
+    return TargetPlan(str(checkpoint.directory), tuple(plans), used, tuple(dropped), checkpoint.checksums)
+
+
+def _leaf_plan(
+    leaf: Leaf, key: str, bound: dict[str, int], rule: Rule, sources: _Sources, scope: Scope, checkpoint: Checkpoint
+) -> LeafPlan:
+    pattern = rule.pattern
+    templates = [_bind(s, bound) for s in rule.source]
+    free = sorted({p for t in templates for p in placeholders(t)})
+    stacked = [g[0] for g in itertools.takewhile(lambda g: len(g) == 1 and (g[0] in free or g[0] == rule.fuse), pattern.left)]
+    loose = sorted(set(free) - set(stacked))
+    if loose:
+        raise ConfigError(
+            f"source placeholder {{{loose[0]}}} of {rule.where} is neither bound by the leaf key {key!r} nor a stacking axis "
+            f"leading the pattern's left side"
+        )
+    names = [a for a in stacked if a != rule.fuse]
+    by_index: dict[tuple[int, ...], TensorInfo] = {}
+    counts: dict[str, int] = {}
+    for position, template in enumerate(templates):
+        found: dict[tuple[int, ...], str] = (
+            sources.enumerate(template, names) if names else ({(): template} if template in checkpoint.tensors else {})
+        )
+        if not found:
+            raise ConfigError(f"no checkpoint tensor {template!r}{_near_tensor(template, checkpoint)}")
+        for axis_index, axis in enumerate(names):
+            values = sorted({k[axis_index] for k in found})
+            if values != list(range(len(values))):
+                raise ConfigError(f"the checkpoint's {template!r} have {axis} = {values}, not 0..{len(values) - 1}")
+            counts[axis] = len(values)
+        for combo in itertools.product(*(range(counts[a]) for a in names)):
+            if combo not in found:
+                missing = template.format(**dict(zip(names, combo)))
+                raise ConfigError(f"checkpoint tensor {missing!r} is missing (its {names} siblings exist)")
+            full = {**dict(zip(names, combo)), **({rule.fuse: position} if rule.fuse else {})}
+            by_index[tuple(full[a] for a in stacked)] = checkpoint.tensors[found[combo]]
+    if rule.fuse:
+        counts[rule.fuse] = len(templates)
+    infos = list(by_index.values())
+    shapes = {info.shape for info in infos}
+    if len(shapes) > 1:
+        raise ConfigError(f"its sources have different shapes {sorted(shapes)}; stacked or fused sources need one shape")
+    shape = shapes.pop()
+    given = {a: _int(v, scope, f"{rule.where} {a}") for a, v in rule.sizes.items()}
+    sizes = {**counts, **given}
+    sizes.update(solve_sizes(pattern.left[len(stacked):], shape, sizes, f"{rule.where} on {infos[0].name} {list(shape)}"))
+    axes = _axes(rule, pattern.left_axes, sizes, leaf, scope)
+    index = {a.name: i for i, a in enumerate(axes)}
+    arrangement = Arrangement(
+        tuple(axes),
+        tuple(tuple(index[a] for a in g) for g in pattern.left[len(stacked):]),
+        tuple(tuple(index[a] for a in g) for g in pattern.right),
+        len(stacked),
+    )
+    if arrangement.shape != leaf.shape:
+        raise ConfigError(f"{rule.where} gives shape {list(arrangement.shape)}, the target has {list(leaf.shape)}")
+    _check_dtype(infos[0], leaf, rule)
+    _check_sharding(leaf)
+    scale = None if rule.scale is None else float(_number(rule.scale, scope, f"{rule.where} scale"))
+    return LeafPlan(leaf, key, arrangement, MappingProxyType(by_index), scale)
+
+
+def _axes(rule: Rule, left: tuple[str, ...], sizes: dict[str, int], leaf: Leaf, scope: Scope) -> list[Axis]:
+    """The rule's axes with take/rotary/repeat/pad, the target-sized ones solved from the leaf's shape."""
+    where = rule.where
+    takes = {a: _take(v, scope, f"{where} take {a}") for a, v in rule.take.items()}
+    auto = set(rule.repeat if isinstance(rule.repeat, tuple) else ()) | set(rule.pad if isinstance(rule.pad, tuple) else ())
+    repeat = {a: _int(v, scope, f"{where} repeat {a}") for a, v in rule.repeat.items()} if isinstance(rule.repeat, Mapping) else {}
+    pad = {a: _int(v, scope, f"{where} pad {a}") for a, v in rule.pad.items()} if isinstance(rule.pad, Mapping) else {}
+    base = {a: Axis(a, sizes[a], takes.get(a), rule.rotary.get(a), repeat.get(a, 1), pad.get(a)) for a in left}
+    known = {a: axis.out for a, axis in base.items() if a not in auto}
+    out = solve_sizes(rule.pattern.right, leaf.shape, known, f"{where} for the target shape {list(leaf.shape)}")
+    if isinstance(rule.repeat, tuple):
+        for a in rule.repeat:
+            if out[a] % base[a].taken or (isinstance(rule.pad, tuple) and a in rule.pad):
+                raise ConfigError(f"{where}: axis {a!r} of {base[a].taken} cannot repeat to the target's {out[a]}")
+            base[a] = Axis(a, sizes[a], takes.get(a), rule.rotary.get(a), out[a] // base[a].taken, pad.get(a))
+    if isinstance(rule.pad, tuple):
+        for a in rule.pad:
+            base[a] = Axis(a, sizes[a], takes.get(a), rule.rotary.get(a), base[a].repeat, out[a])
+    return [base[a] for a in left]
+
+
+def _bind(template: str, bound: Mapping[str, int]) -> str:
+    for name, value in bound.items():
+        template = template.replace("{" + name + "}", str(value))
+    return template
+
+
+def _number(value: Any, scope: Scope, what: str) -> int | float:
+    result = evaluate(value, scope)
+    if isinstance(result, bool) or not isinstance(result, (int, float)):
+        raise ConfigError(f"{what} = {value!r} evaluated to {result!r}, not a number")
+    return result
+
+
+def _int(value: Any, scope: Scope, what: str) -> int:
+    result = _number(value, scope, what)
+    if not isinstance(result, int):
+        raise ConfigError(f"{what} = {value!r} evaluated to {result!r}, not an integer")
+    return result
+
+
+def _take(value: Any, scope: Scope, what: str) -> int | Range:
+    if isinstance(value, (tuple, list)) and len(value) == 2:
+        return (_int(value[0], scope, what), _int(value[1], scope, what))
+    return _int(value, scope, what)
+
+
+def _check_dtype(info: TensorInfo, leaf: Leaf, rule: Rule) -> None:
+    source = torch_name(info.dtype)
+    if source.startswith("float8") and source != leaf.dtype:
+        raise ConfigError(
+            f"checkpoint tensor {info.name!r} in {info.file.name} is {source}, a quantized weight, but the leaf is {leaf.dtype}: "
+            f"make the leaf {source} and load its scales as leaves of their own, or dequantize it (dequantize=True)"
+        )
+    if (source in _FLOAT) != (leaf.dtype in _FLOAT) and not (source.startswith("float8") and source == leaf.dtype):
+        raise ConfigError(f"checkpoint tensor {info.name!r} ({source}) cannot be cast to the leaf's {leaf.dtype}")
+    if leaf.dtype not in _FLOAT and source != leaf.dtype:
+        raise ConfigError(f"checkpoint tensor {info.name!r} is {source}; an integer leaf must have the same dtype, not {leaf.dtype}")
+    if rule.scale is not None and leaf.dtype not in _FLOAT:
+        raise ConfigError(f"scale= needs a floating leaf, not {leaf.dtype}")
+
+
+def _check_sharding(leaf: Leaf) -> None:
+    try:
+        leaf.sharding.shard_shape(leaf.shape)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"its sharding {leaf.sharding} does not divide its shape {list(leaf.shape)}: {exc}") from None
+
+
+def _unused(
+    checkpoint: Checkpoint, used: Mapping[str, TensorInfo], target_map: TargetMap, config: Mapping[str, Any], problems: list[str]
+) -> list[tuple[str, str]]:
+    """Checkpoint tensors no leaf takes: dropped when the map (or a rotary cache, or a tied head)
+    says so, a problem otherwise."""
+    caches = [rule.pattern for rule in ROTARY_CACHES.rules]
+    drops = [(re.compile(d.pattern), d.reason) for d in target_map.drops]
+    tied = bool(config.get("tie_word_embeddings") or (config.get("text_config") or {}).get("tie_word_embeddings"))
+    dropped, unused = [], []
+    for name in checkpoint.tensors:
+        if name in used:
+            continue
+        reason = next((why for regex, why in drops if regex.search(name)), None)
+        if reason is None and any(c in name for c in caches):
+            reason = "a rotary cache (computed, not a parameter)"
+        if reason is None and tied and name.endswith("lm_head.weight"):
+            reason = "tied to the token embedding (tie_word_embeddings)"
+        if reason is None:
+            unused.append(name)
+        else:
+            dropped.append((name, reason))
+    if unused:
+        shown = ", ".join(repr(n) for n in unused[:8]) + (f", ... ({len(unused) - 8} more)" if len(unused) > 8 else "")
+        problems.append(
+            f"{len(unused)} checkpoint tensor(s) fill no leaf of the target: {shown}; add rules for them to {target_map.name}, "
+            f"or [[drop]] entries with the reason if the target really has no such parameter"
+        )
+    return dropped
+
+
+def _near(key: str, keys: list[str]) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(key, keys, n=3, cutoff=0.4)
+    return f"closest rules: {close}" if close else f"its rules: {keys[:6]}"
+
+
+def _near_tensor(name: str, checkpoint: Checkpoint) -> str:
+    import difflib
+
+    flat = re.sub(r"\{[^}]*\}", "0", name)
+    close = difflib.get_close_matches(flat, list(checkpoint.tensors), n=3, cutoff=0.6)
+    return f" in {checkpoint.directory}; closest: {close}" if close else f" in {checkpoint.directory}"
