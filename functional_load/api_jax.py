@@ -54,9 +54,11 @@ def load_jax(
       :func:`~functional_load.load` gives that rank.
     * ``load_jax(model, target=tree, mapping=map)``: ``tree`` is any pytree (dicts, lists, a
       Flax NNX ``State`` from ``nnx.eval_shape``) of ``jax.ShapeDtypeStruct`` leaves with a
-      sharding; ``map`` a :class:`~functional_load.TargetMap`, a dict of leaf key path ->
-      :class:`~functional_load.Rule`, a ``.toml`` path or a shipped map's name. Returns the same
-      structure with global arrays of the leaves' shapes, dtypes and shardings.
+      sharding (over an abstract mesh, as ``nnx.eval_shape`` under ``jax.set_mesh`` gives: then
+      ``mesh`` is the concrete mesh); ``map`` a :class:`~functional_load.TargetMap`, a dict of
+      leaf key path -> :class:`~functional_load.Rule`, a ``.toml`` path or a shipped map's name.
+      Returns the same structure with global arrays of the leaves' shapes, dtypes and
+      shardings (ready for ``nnx.update``).
 
     ``options`` (:class:`LoadOptions`, or its fields as keywords) as for every entry point; with
     a ``target``, the leaves decide dtypes and placement, so ``dtype``, ``quantization`` and the
@@ -72,9 +74,7 @@ def load_jax(
         return _vllm_layout(model, mesh, tp_axis, reader, opts)
     if mapping is None:
         raise ConfigError("load_jax(target=...) needs mapping=: a TargetMap, a dict of leaf -> Rule, a .toml file or a shipped map name")
-    if mesh is not None:
-        raise ConfigError("with target=, the leaves' shardings name the mesh; leave mesh out")
-    return _target(model, target, as_target_map(mapping), reader, opts)
+    return _target(model, target, as_target_map(mapping), mesh, reader, opts)
 
 
 def _vllm_layout(model: Any, mesh: Any, tp_axis: str | Sequence[str], reader: Reader | None, opts: LoadOptions) -> dict[str, Any]:
@@ -116,7 +116,8 @@ def _bar(opts: LoadOptions, total: int, what: str) -> Any:
 
 def key_path(path: Sequence[Any]) -> str:
     """A leaf's ``jax.tree_util`` key path joined with ``"."``: a dict key as it is, an attribute
-    by name, a sequence position as its number."""
+    by name, a sequence position as its number; the trailing ``value`` of a Flax NNX variable is
+    left out (its leaf is named by the variable's path)."""
     parts = []
     for key in path:
         for attr in ("key", "name", "idx"):
@@ -125,19 +126,34 @@ def key_path(path: Sequence[Any]) -> str:
                 break
         else:
             parts.append(str(key))
+    import jax
+
+    if len(parts) > 1 and parts[-1] == "value" and isinstance(path[-1], jax.tree_util.GetAttrKey):
+        parts.pop()
     return ".".join(parts)
 
 
-def target_leaves(tree: Any) -> tuple[list[Leaf], Any]:
-    """The leaves of a target tree and its structure; every leaf must be a ``ShapeDtypeStruct``
-    (or anything with shape, dtype and sharding) with a sharding."""
+def target_leaves(tree: Any, mesh: Any = None) -> tuple[list[Leaf], Any]:
+    """The leaves of a target tree and its structure. Every leaf must be a ``ShapeDtypeStruct``
+    (anything with shape, dtype and sharding) with a sharding; one over an abstract mesh (as
+    ``nnx.eval_shape`` under ``jax.set_mesh`` gives) is placed on ``mesh``, which must then be given."""
     import jax
+    from jax.sharding import AbstractMesh, NamedSharding
 
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
     leaves, problems = [], []
     for path, leaf in flat:
         key = key_path(path)
         sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, AbstractMesh):
+            if mesh is None:
+                problems.append(f"target leaf {key!r} is sharded over an abstract mesh; pass mesh= (a jax Mesh with axes "
+                                f"{tuple(sharding.mesh.axis_names)})")
+                continue
+            if tuple(mesh.axis_names) != tuple(sharding.mesh.axis_names) or dict(mesh.shape) != dict(sharding.mesh.shape):
+                problems.append(f"target leaf {key!r}: its abstract mesh {dict(sharding.mesh.shape)} is not mesh= {dict(mesh.shape)}")
+                continue
+            sharding = NamedSharding(mesh, sharding.spec)
         if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
             problems.append(f"target leaf {key!r} is a {type(leaf).__name__}, not a jax.ShapeDtypeStruct (shape, dtype, sharding)")
         elif sharding is None or not hasattr(sharding, "addressable_devices_indices_map"):
@@ -180,10 +196,10 @@ def spec_drops(config: Mapping[str, Any], opts: LoadOptions) -> tuple[Drop, ...]
     return tuple(drops)
 
 
-def plan_jax_target(model: Any, tree: Any, target_map: TargetMap, opts: LoadOptions) -> tuple[TargetPlan, Any]:
+def plan_jax_target(model: Any, tree: Any, target_map: TargetMap, opts: LoadOptions, mesh: Any = None) -> tuple[TargetPlan, Any]:
     """The validated plan of a target tree (no tensor byte read) and the tree's structure."""
     _not_for_targets(opts)
-    leaves, treedef = target_leaves(tree)
+    leaves, treedef = target_leaves(tree, mesh)
     directory = resolve_model_dir(model, opts.revision, opts.load_format, opts.allow_pickle)
     manifest = read_manifest(directory)
     fmt = "hf" if manifest is not None else checkpoint_format(directory, opts.load_format)
@@ -193,11 +209,11 @@ def plan_jax_target(model: Any, tree: Any, target_map: TargetMap, opts: LoadOpti
     return plan_target(leaves, full, checkpoint, config), treedef
 
 
-def _target(model: Any, tree: Any, target_map: TargetMap, reader: Reader | None, opts: LoadOptions) -> Any:
+def _target(model: Any, tree: Any, target_map: TargetMap, mesh: Any, reader: Reader | None, opts: LoadOptions) -> Any:
     import jax
     import numpy as np
 
-    the_plan, treedef = plan_jax_target(model, tree, target_map, opts)
+    the_plan, treedef = plan_jax_target(model, tree, target_map, opts, mesh)
     leaves = [p.leaf for p in the_plan.leaves]
 
     def block(i: int, box: tuple[Range, ...]) -> np.ndarray:

@@ -19,17 +19,31 @@ from .checkpoint.discover import discover
 from .checkpoint.index import index_checkpoint
 from .checkpoint.sharded import read_manifest, sharded_checkpoint
 from .errors import ConfigError, LoadError, ShardingError
+from .io import ReadOptions
 from .model.config import model_dtype, read_config
 from .model.spec import spec_for_config
+from .options import LoadOptions
 from .verify import verify_ranks
 
 
+def _options(args: argparse.Namespace) -> LoadOptions:
+    """The LoadOptions the command line asks for (the same value every entry point takes)."""
+    read = ReadOptions(**{k: v for k, v in (("threads", args.threads), ("strategy", args.strategy)) if v is not None})
+    return LoadOptions(
+        dtype=getattr(args, "dtype", None), quantization=getattr(args, "quantization", None), load_format=args.load_format,
+        allow_pickle=args.allow_pickle, revision=args.revision, spec=args.spec, text_only=args.text_only,
+        expert_parallel=getattr(args, "expert_parallel", False), expert_placement=getattr(args, "expert_placement", "linear"),
+        num_redundant_experts=getattr(args, "redundant_experts", 0), read=read,
+    )
+
+
 def _inspect(args: argparse.Namespace) -> None:
-    if args.load_format.lower() == "dummy":
+    options = _options(args)
+    if options.dummy:
         raise ConfigError("inspect lists a checkpoint's files and tensors; --load-format dummy reads none (use plan or load)")
-    directory = resolve_model_dir(args.model_dir, args.revision, args.load_format)
+    directory = resolve_model_dir(args.model_dir, options.revision, options.load_format, options.allow_pickle)
     config = read_config(directory)
-    spec = spec_for_config(config)
+    spec = options.arch_spec() or spec_for_config(config)
     manifest = read_manifest(directory)
     if manifest is not None:  # a pre-sharded save: its layout, its rank files, the original tensors it holds
         checkpoint = sharded_checkpoint(directory, manifest, 0)
@@ -39,7 +53,7 @@ def _inspect(args: argparse.Namespace) -> None:
             print(f"  rank {entry['rank']}: {name} ({entry['size']:,} bytes)")
         print(f"original tensors ({len(checkpoint.tensors)}, {checkpoint.total_bytes:,} bytes), held in the rank files:")
     else:
-        checkpoint = index_checkpoint(discover(directory, args.load_format))
+        checkpoint = index_checkpoint(discover(directory, options.load_format), allow_pickle=options.allow_pickle)
         dtype = model_dtype(None, config, weight_dtypes(directory, config))
         print(f"{checkpoint.directory}: {spec.name} ({', '.join(config.get('architectures') or [])}), "
               f"dtype {dtype}, format {checkpoint.load_format}")
@@ -49,9 +63,7 @@ def _inspect(args: argparse.Namespace) -> None:
 
 
 def _plan(args: argparse.Namespace) -> None:
-    the_plan = plan(
-        args.model_dir, tp_size=args.tp, rank=args.rank, dtype=args.dtype, load_format=args.load_format, revision=args.revision
-    )
+    the_plan = plan(args.model_dir, tp_size=args.tp, rank=args.rank, options=_options(args))
     print(json.dumps(the_plan.to_json(), indent=1) if args.json else the_plan.table())
 
 
@@ -59,10 +71,7 @@ def _load(args: argparse.Namespace) -> None:
     from safetensors.torch import save_file
 
     start = time.perf_counter()
-    state = load(
-        args.model_dir, tp_size=args.tp, rank=args.rank, dtype=args.dtype, load_format=args.load_format, progress=True,
-        revision=args.revision,
-    )
+    state = load(args.model_dir, tp_size=args.tp, rank=args.rank, options=_options(args).replace(progress=True))
     seconds = time.perf_counter() - start
     tensors = {name: t.contiguous() for name, t in state.unique().items()}  # safetensors refuses shared storage
     first = {id(t): name for name, t in tensors.items()}
@@ -78,7 +87,7 @@ def _load(args: argparse.Namespace) -> None:
 def _verify(args: argparse.Namespace) -> None:
     if not 0 <= args.rank < args.tp:
         raise ShardingError(f"--rank {args.rank} is not a rank of --tp {args.tp}; pick a rank in 0..{args.tp - 1}")
-    report = verify_ranks(args.model_dir, tp_size=args.tp, dtype=args.dtype, load_format=args.load_format, revision=args.revision)
+    report = verify_ranks(args.model_dir, tp_size=args.tp, options=_options(args))
     print(report.plans[args.rank].table())
     print()
     print(report.summary())
@@ -116,10 +125,19 @@ def build_parser() -> argparse.ArgumentParser:
             "--load-format", default="auto", help="auto | hf | safetensors | mistral | pt | dummy (config only, vLLM's dummy weights)"
         )
         p.add_argument("--revision", default=None, help="branch, tag or commit of a Hub repo id (default: main)")
+        p.add_argument("--allow-pickle", action="store_true", help="permit .bin/.pt checkpoints (torch.load(weights_only=True))")
+        p.add_argument("--spec", default=None, help="architecture spec: a .toml file or a spec name (default: from config.json)")
+        p.add_argument("--text-only", action="store_true", help="leave a multimodal model's vision tower out")
+        p.add_argument("--threads", type=int, default=None, help="reader threads (default 4)")
+        p.add_argument("--strategy", default=None, help="read strategy: auto | pread | mmap | eager")
         if rank:
             p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
             p.add_argument("--rank", type=int, default=0, help="tensor-parallel rank")
             p.add_argument("--dtype", default=None, help="destination dtype (default: the config's)")
+            p.add_argument("--quantization", default=None, help="quantize an unquantized checkpoint while loading: fp8 | fp8_block")
+            p.add_argument("--expert-parallel", action="store_true", help="spread whole MoE experts over the ranks")
+            p.add_argument("--expert-placement", default="linear", help="linear | round_robin (with --expert-parallel)")
+            p.add_argument("--redundant-experts", type=int, default=0, help="extra physical experts (EPLB)")
         return p
 
     add("inspect", "list the checkpoint's files and tensors (headers only)", rank=False).set_defaults(run=_inspect)
@@ -129,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("load", "load one rank and write its tensors as safetensors")
     p.add_argument("--out", required=True, help="output directory")
     p.set_defaults(run=_load)
-    p = add("verify", "plan and load every rank of --tp, and check each against the checkpoint bit for bit")
+    p = add("verify", "plan and load every rank of --tp, and check each rank's reads against its plan and the checkpoint")
     p.set_defaults(run=_verify)
     p = sub.add_parser("bench", help="benchmark loading (cold/hot, tp 1/2/4) against vLLM-style, safetensors and peer loaders")
     p.add_argument("model_dir", nargs="?", help="checkpoint (default /tmp/fl-bench/llama7b-4l, generated when missing)")

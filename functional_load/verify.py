@@ -1,4 +1,4 @@
-"""Check a tensor-parallel load against the checkpoint, bit for bit, for every rank.
+"""Check a tensor-parallel load against its plan and the checkpoint, bit for bit, for every rank.
 
 The check reads the checkpoint through the ``safetensors`` library (not through this package's
 reader) and compares each rank's tensors with the checkpoint slices the plan names; it also
@@ -19,6 +19,7 @@ from .checkpoint.pickles import safe_torch_load
 from .errors import ConfigError
 from .io import ReadOptions, execute, reader_for
 from .layout.placement import Same
+from .options import LoadOptions, resolve_options
 from .plan import Plan
 
 
@@ -44,8 +45,9 @@ class VerifyReport:
                 f"{len(plan.params)} parameters"
             )
         if self.ok:
-            lines.append("verified: every rank equals its checkpoint slices bit for bit; ranks cover every element; "
-                         "replicated parameters identical; padding rows zero")
+            lines.append("verified against the plan: every rank equals the checkpoint slices its plan names, bit for bit; "
+                         "ranks cover every element; replicated parameters identical; padding rows zero. This checks the "
+                         "reads, not the spec: `functional-load check-spec` compares the layout with vLLM and a forward pass")
         else:
             lines.append(f"FAILED: {len(self.problems)} problems")
             lines += [f"  - {p}" for p in self.problems]
@@ -82,22 +84,28 @@ def reference_tensor(info: TensorInfo) -> Any:
     return whole
 
 
-def verify_ranks(
-    model_dir: Any, *, tp_size: int = 1, dtype: Any = None, load_format: str = "auto", revision: str | None = None
-) -> VerifyReport:
-    """Plan and load every rank of ``tp_size`` and check them against the checkpoint (``model_dir``
-    may be a Hugging Face Hub repo id at ``revision``, as for :func:`functional_load.plan`)."""
+def verify_ranks(model_dir: Any, *, tp_size: int = 1, options: LoadOptions = LoadOptions(), **overrides: Any) -> VerifyReport:
+    """Plan and load every rank of ``tp_size`` and check what each rank read against its plan and
+    the checkpoint (``model_dir`` may be a Hugging Face Hub repo id; ``options`` as for every
+    entry point).
+
+    This proves the reads: every rank holds exactly the checkpoint slices its plan names, bit
+    for bit, read independently with the safetensors library. It does not prove the plan: a
+    spec that shards a module the wrong way gives a plan that verifies. Whether the layout is
+    vLLM's is what ``functional-load check-spec`` and the parity harness prove."""
     import torch
 
-    if isinstance(load_format, str) and load_format.lower() == "dummy":
+    opts = resolve_options(options, overrides)
+    if opts.dummy:
         raise ConfigError("verify checks ranks against a checkpoint; load_format='dummy' reads none (plan or load it instead)")
-    model_dir = resolve_model_dir(model_dir, revision, load_format)
+    model_dir = resolve_model_dir(model_dir, opts.revision, opts.load_format, opts.allow_pickle)
+    local = opts.replace(revision=None, read=ReadOptions(strategy="pread"))
 
     plans, states, reads, seconds = [], [], [], []
     for rank in range(tp_size):
         start = time.perf_counter()
-        the_plan = make_plan(model_dir, tp_size=tp_size, rank=rank, dtype=dtype, load_format=load_format)
-        with reader_for(the_plan, ReadOptions(strategy="pread")) as reader:
+        the_plan = make_plan(model_dir, tp_size=tp_size, rank=rank, options=local)
+        with reader_for(the_plan, local.read) as reader:
             tensors, _ = execute(the_plan, reader=reader, progress=False)
             states.append(tensors)
             reads.append(reader.bytes_read)

@@ -286,7 +286,10 @@ class ChangeDuringLoad:
                 test.calls += 1
                 if test.changed is not None:
                     test.reads_after += 1
-                if test.when == "middle" and test.calls == TRIGGER_READ:
+                # in the middle: from the TRIGGER_READ-th read on, at the first read of a shard already
+                # read from ("current"; with several threads the TRIGGER_READ-th may open a new one)
+                ready = test.target != "current" or info.file in test.seen
+                if test.when == "middle" and test.changed is None and test.calls >= TRIGGER_READ and ready:
                     test.fire(info.file)
                 real(reader, info, box, out)
                 if info.file not in test.seen:

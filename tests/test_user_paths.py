@@ -79,7 +79,7 @@ def test_presharded_save_verifies_clean(saved, tp, capsys):
     the rank files with the safetensors library (it used to report false mismatches)."""
     assert cli_main(["verify", str(saved), "--tp", str(tp), "--rank", "1"]) == 0
     out = capsys.readouterr().out
-    assert "verified: every rank equals its checkpoint slices bit for bit" in out
+    assert "verified against the plan: every rank equals the checkpoint slices its plan names, bit for bit" in out
 
 
 def test_inspect_describes_a_save(saved, capsys):

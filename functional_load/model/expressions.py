@@ -1,6 +1,6 @@
 """The safe expression language of the architecture specs.
 
-A tiny subset of Python over config keys and earlier dims: names, numbers, ``+ - * // %``,
+A tiny subset of Python over config keys and earlier dims: names, numbers, ``+ - * / // % **``,
 comparisons (``in`` too), ``and``/``or``/``not``, ``x if c else y`` and attribute access into a
 nested config (``vision_config.hidden_size``). A missing config key is ``None``, so
 ``"num_key_value_heads or num_attention_heads"`` is a fallback; a key the config lacks at the top
@@ -16,12 +16,23 @@ from typing import Any
 
 from ..errors import ConfigError
 
+
+def _power(base: Any, exponent: Any) -> Any:
+    """``**`` with a small exponent only (a target map's ``head_dim ** -0.5``): a huge one would
+    take unbounded time and memory."""
+    if abs(exponent) > 64:
+        raise OverflowError(f"exponent {exponent} is too large (at most 64)")
+    return base**exponent
+
+
 _BINOPS = {
     ast.Add: operator.add,
     ast.Sub: operator.sub,
     ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
     ast.FloorDiv: operator.floordiv,
     ast.Mod: operator.mod,
+    ast.Pow: _power,
 }
 _CMPOPS = {
     ast.In: lambda a, b: a in (b or ()),

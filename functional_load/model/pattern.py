@@ -90,16 +90,16 @@ def solve_sizes(
     if len(groups) != len(dims):
         raise ConfigError(f"{where}: the pattern has {len(groups)} dimensions here, the tensor {len(dims)} ({list(dims)})")
     sizes: dict[str, int] = {}
-    for group, dim in zip(groups, dims):
+    for number, (group, dim) in enumerate(zip(groups, dims)):
         unknown = [a for a in group if a not in known and a not in sizes]
         product = math.prod(known.get(a, sizes.get(a, 1)) for a in group if a not in unknown)
         if len(unknown) > 1:
             raise ConfigError(f"{where}: ({' '.join(group)}) has {len(unknown)} axes of unknown size ({unknown}); give all but one")
         if unknown:
             if product == 0 or dim % product:
-                raise ConfigError(f"{where}: dimension of {dim} does not divide into ({' '.join(group)}) with the sizes given")
+                raise ConfigError(f"{where}: dimension {number} ({dim}) does not divide into ({' '.join(group)}) with the sizes given")
             sizes[unknown[0]] = dim // product
         elif product != dim:
             given = " * ".join(f"{a}={known.get(a, sizes.get(a))}" for a in group)
-            raise ConfigError(f"{where}: ({' '.join(group)}) = {given} = {product}, but the dimension is {dim}")
+            raise ConfigError(f"{where}: dimension {number} is {dim}, but ({' '.join(group)}) gives {product} ({given})")
     return sizes

@@ -13,6 +13,7 @@ process plans and reads only the ranks its devices hold, through :mod:`.arrays`.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,6 +27,7 @@ from ..layout.axes import Range
 from ..layout.placement import Along, PerRank
 from ..plan.plan import Plan
 from ..plan.target import Leaf
+from ..transform.online import is_online_weight, quantize_online
 from .arrays import build_arrays
 
 
@@ -95,9 +97,25 @@ def vllm_arrays(
             global_shape, pspec = shape, PartitionSpec()
         leaves.append(Leaf(spec.name, global_shape, spec.dtype, NamedSharding(mesh, pspec)))
         forms.append((spec.name, placement))
+    quantized: dict[tuple[int, str], dict[str, Any]] = {}  # online quantization: (rank, module) -> its tensors
+    lock = threading.Lock()
+
     def rank_param(name: str, rank: int) -> np.ndarray:  # each distinct box asks once (see .arrays)
         plan = plan_of(rank)
-        return _numpy(load_param(plan, plan.param(name), reader))
+        param = plan.param(name)
+        if not param.spec.derived and not is_online_weight(plan, param):
+            return _numpy(load_param(plan, param, reader))
+        module = param.spec.module
+        with lock:  # a weight and its scales come from one quantization; kept until both are used
+            key = (rank, module)
+            if key not in quantized:
+                weight = plan.param(f"{module}.weight")
+                quantized[key] = quantize_online(plan, weight, load_param(plan, weight, reader, dtype=plan.dtype))
+            tensors = quantized[key]
+            tensor = tensors.pop(name)
+            if not tensors:
+                del quantized[key]
+        return _numpy(tensor)
 
     def block(i: int, box: tuple[Range, ...]) -> np.ndarray:
         name, placement = forms[i]

@@ -116,6 +116,7 @@ def plan_target(
     sources = _Sources(checkpoint.tensors)
     plans: list[LeafPlan] = []
     used: dict[str, TensorInfo] = {}
+    claimed: set[str] = set()  # the sources of leaves that failed
     for leaf in leaves:
         matches = [(key, m.groupdict(), rule) for key, regex, rule in compiled if (m := regex.match(leaf.key))]
         if not matches:
@@ -129,13 +130,23 @@ def plan_target(
             plan = _leaf_plan(leaf, key, {k: int(v) for k, v in bound.items()}, rule, sources, scope, checkpoint)
         except ConfigError as exc:
             problems.append(f"target leaf {leaf.key!r} ({target_map.name} rule {key!r}): {exc}")
+            claimed.update(_claimed(rule, bound, sources))  # not reported again as unused
             continue
         plans.append(plan)
         used.update({info.name: info for info in plan.sources.values()})
-    dropped = _unused(checkpoint, used, target_map, config, problems)
+    dropped = _unused(checkpoint, {**{n: checkpoint.tensors[n] for n in claimed}, **used}, target_map, config, problems)
     if problems:
         raise PlanError(problems)
     return TargetPlan(str(checkpoint.directory), tuple(plans), used, tuple(dropped), checkpoint.checksums)
+
+
+def _claimed(rule: Rule, bound: Mapping[str, str], sources: _Sources) -> set[str]:
+    """The checkpoint tensors a rule would take for a leaf (any value of its free placeholders)."""
+    out: set[str] = set()
+    for template in rule.source:
+        bound_template = _bind(template, {k: int(v) for k, v in bound.items()})
+        out.update(sources.enumerate(bound_template, placeholders(bound_template)).values())
+    return out
 
 
 def _leaf_plan(
