@@ -1,11 +1,11 @@
-"""Jitted JAX transforms (``functional_load.transform.kernels``) against torch eager equivalents, on CPU.
+"""Jitted JAX transforms (``functional_load.quant.fp8_kernels``) against torch eager equivalents, on CPU.
 
 For each operation and shape: the median wall time of ``--runs`` calls after ``--warmup`` calls
 (JAX: compiled once per shape during the warm-up, results waited for with
 ``block_until_ready``), side by side, with torch / JAX time ratios (> 1: JAX is faster) and
 whether both produce the same bits.
 
-Operations (the conventions of ``functional_load.transform.kernels``' docstring, i.e. vLLM's):
+Operations (the conventions of ``functional_load.quant.fp8_kernels``' docstring, i.e. vLLM's):
 
 * ``requant``: per-tensor FP8 weight with one scale per logical shard -> one max scale
   (``requantize_with_max_scale``; torch does it as vLLM's ``requantize_with_max_scale``:
@@ -120,7 +120,7 @@ def operations(dense: Any, fp8: Any, scales: Any, widths: tuple[int, ...]) -> li
     import jax
     import jax.numpy as jnp
 
-    from functional_load.transform import kernels as transforms
+    from functional_load.quant import fp8_kernels as transforms
 
     jdense = jnp.asarray(dense.float().numpy()).astype(jnp.bfloat16)
     jfp8 = jax.dlpack.from_dlpack(fp8)

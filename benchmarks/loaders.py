@@ -251,7 +251,7 @@ run_limit_prefaulted.setup = _copy_setup  # type: ignore[attr-defined]
 # Imports are excluded from the timing. For functional_load that includes the output targets and
 # the jitted kernels (and with them jax), as in every earlier run of this benchmark (a
 # default-target load no longer imports jax itself).
-FL_IMPORTS = ("functional_load", "functional_load.transform.kernels", "functional_load.transform.targets")
+FL_IMPORTS = ("functional_load", "functional_load.quant.fp8_kernels", "functional_load.transform.targets")
 KINDS = {
     "fl": (FL_IMPORTS, run_fl),
     "vllm": (("safetensors",), run_vllm),

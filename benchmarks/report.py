@@ -235,7 +235,7 @@ def render(*, model_dir: Path, args, machine: dict, results: dict, group_results
 
 METHOD_NOTES = """\
 * Every run is a fresh process; imports happen before the timer (for functional_load this includes
-  `functional_load.transform.kernels`, i.e. jax, which a default-target `load()` no longer needs), and the
+  `functional_load.quant.fp8_kernels`, i.e. jax, which a default-target `load()` no longer needs), and the
   timer covers the whole load (planning/header reads, allocation, reads, copies). Output tensors stay
   alive until peak RSS is read.
 * **cold**: before each run every file the run may read (the checkpoint's shards and the peer's own

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint import Checkpoint
-from .checkpoint.discover import discover
+from .checkpoint.discover import checkpoint_format, discover
 from .checkpoint.hub import resolve_model
 from .checkpoint.index import index_checkpoint
 from .checkpoint.sharded import read_manifest, sharded_checkpoint
@@ -24,14 +24,14 @@ from .errors import ConfigError, LoadError, PlanError
 from .io import execute
 from .layout.build import Layout, build_layout
 from .layout.parallel import Parallel
-from .model.config import checkpoint_format, declared_dtype, model_directory, model_dtype, read_config
-from .model.quant import online_quant_config, parse_quant_config
+from .model.config import declared_dtype, model_directory, model_dtype, read_config
 from .model.spec import spec_for_config
 from .options import LoadOptions, resolve_options
 from .output.save import write_sharded
 from .output.state import LoadedState, check_device, to_device
 from .plan import Plan, make_plan
 from .plan.dummy import dummy_plan
+from .quant import online_quant_config, parse_quant_config
 from .transform.online import is_online_weight, quantize_online
 from .transform.targets import apply_target, check_target
 
@@ -50,16 +50,15 @@ def resolve_model_dir(
 
 
 def _layout(
-    config: Mapping[str, Any], parallel: Parallel, dtype: str, options: LoadOptions, stored: bool = False, load_format: str = "hf",
+    config: Mapping[str, Any], parallel: Parallel, dtype: str, options: LoadOptions, stored: bool = False,
     quantization: str | None = None,
 ) -> Layout:
     """The layout of one rank: the spec from the options or the config, and the checkpoint's
-    quantization config or the online one asked for (``stored``: already quantized, in a save);
-    ``load_format`` is the checkpoint's resolved format."""
+    quantization config or the online one asked for (``stored``: already quantized, in a save)."""
     arch = options.arch_spec() or spec_for_config(config)
     method = quantization or options.quantization
     quant = online_quant_config(method, config, stored) if method else parse_quant_config(config)
-    return build_layout(config, arch, parallel, dtype, quant, load_format=load_format, text_only=options.text_only)
+    return build_layout(config, arch, parallel, dtype, quant, text_only=options.text_only)
 
 
 def layout(
@@ -85,7 +84,7 @@ def layout(
             with contextlib.suppress(LoadError):
                 directory = resolve_model_dir(model, opts.revision)
         weights, where = weight_dtypes(directory, config), str(directory / "config.json")
-    return _layout(config, parallel, model_dtype(opts.dtype, config, weights, where), opts, load_format=fmt)
+    return _layout(config, parallel, model_dtype(opts.dtype, config, weights, where), opts)
 
 
 def weight_dtypes(directory: Path, config: Mapping[str, Any]) -> tuple[str, ...]:
@@ -114,7 +113,7 @@ def _dummy_plan(model: Model | Mapping[str, Any], parallel: Parallel, opts: Load
         config, where, model_dir = dict(model), "config", ""
     else:
         directory = model_directory(model)
-        config, where, model_dir = read_config(directory), str(directory / "config.json"), str(directory)
+        config, where, model_dir = read_config(directory, checkpoint_format(directory)), str(directory / "config.json"), str(directory)
     return dummy_plan(_layout(config, parallel, model_dtype(opts.dtype, config, (), where), opts), model_dir)
 
 
@@ -169,7 +168,7 @@ def plan(
     checkpoint = _checkpoint(directory, manifest, parallel.rank, opts.load_format, opts.allow_pickle)
     dtype_name = model_dtype(dtype, config, (info.dtype for info in checkpoint.tensors.values()), str(directory / "config.json"))
     try:
-        return make_plan(_layout(config, parallel, dtype_name, opts, stored, fmt, quantization), checkpoint)
+        return make_plan(_layout(config, parallel, dtype_name, opts, stored, quantization), checkpoint)
     except PlanError as exc:
         if fmt != "mistral" or opts.load_format != "auto":
             raise

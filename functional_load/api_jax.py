@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .api import Model, _checkpoint, plan, resolve_model_dir
+from .checkpoint.discover import checkpoint_format
 from .checkpoint.sharded import read_manifest
 from .dtypes import numpy_name, to_numpy, torch_name
 from .errors import ConfigError, PlanError
@@ -23,8 +24,7 @@ from .io import Reader, reader_for
 from .io.execute import show_progress
 from .layout.axes import Range
 from .layout.build import build_layout
-from .model.config import checkpoint_format, model_dtype, read_config
-from .model.quant import parse_quant_config
+from .model.config import model_dtype, read_config
 from .model.spec import spec_for_config
 from .model.targetmap import Drop, TargetMap, as_target_map
 from .options import LoadOptions, resolve_options
@@ -32,6 +32,7 @@ from .output.arrays import build_arrays, device_boxes, file_order
 from .output.jax import local_tp_ranks, tp_axes_of, vllm_arrays
 from .plan import Plan
 from .plan.target import Leaf, TargetPlan, plan_target
+from .quant import parse_quant_config
 from .transform.arrange import arrange_block, block_bytes
 
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .api import load, plan, resolve_model_dir, weight_dtypes
-from .checkpoint.discover import discover
+from .checkpoint.discover import checkpoint_format, discover
 from .checkpoint.index import index_checkpoint
 from .checkpoint.sharded import read_manifest, sharded_checkpoint
 from .errors import ConfigError, LoadError, ShardingError
@@ -42,7 +42,7 @@ def _inspect(args: argparse.Namespace) -> None:
     if options.dummy:
         raise ConfigError("inspect lists a checkpoint's files and tensors; --load-format dummy reads none (use plan or load)")
     directory = resolve_model_dir(args.model_dir, options.revision, options.load_format, options.allow_pickle)
-    config = read_config(directory)
+    config = read_config(directory, checkpoint_format(directory, options.load_format))
     spec = options.arch_spec() or spec_for_config(config)
     manifest = read_manifest(directory)
     if manifest is not None:  # a pre-sharded save: its layout, its rank files, the original tensors it holds

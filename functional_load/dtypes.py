@@ -95,3 +95,6 @@ def numpy_name(dtype: Any) -> str:
     if name not in TORCH_TO_SAFETENSORS:
         raise ValueError(f"dtype {name!r} has no safetensors equivalent")
     return name
+
+
+FLOAT8 = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")  # never cast without their scales

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -157,16 +158,36 @@ def test_unexpected_tensor_lists_neighbouring_parameters(llama_dir, tmp_path):
     assert "model.layers.0.self_attn" not in message  # only the parameters under model.layers.0.mlp
 
 
-def test_unexpected_bias_is_dropped_silently(llama_dir, tmp_path):
+def test_a_bias_the_spec_lacks_is_an_error(llama_dir, tmp_path):
+    """A checkpoint bias no parameter takes is a plan error (a qwen2 checkpoint planned with the
+    llama spec lost its q/k/v biases silently before): only a quantization method whose
+    checkpoints carry such biases (GPTQ) drops them, with the reason."""
     d = copy_checkpoint(llama_dir, tmp_path)
-    name = "model.layers.0.self_attn.o_proj.bias"  # GPTQ checkpoints carry biases the model lacks
+    name = "model.layers.0.self_attn.o_proj.bias"
     put_tensor(d, name, torch.ones(HIDDEN, dtype=torch.bfloat16), next_to="model.layers.0.self_attn.o_proj.weight")
-    the_plan = plan(d, tp_size=2, rank=0)
-    assert [t for t, _ in the_plan.dropped] == [name]
-    assert name not in the_plan.tensors
-    state = load(d, tp_size=2, rank=0)
-    assert name not in state
-    assert "model.layers.0.self_attn.o_proj.weight" in state
+    with pytest.raises(PlanError, match=re.escape(f"checkpoint tensor {name!r}") + ".*has no destination in llama"):
+        plan(d, tp_size=2, rank=0)
+
+
+def test_a_gptq_checkpoint_bias_the_model_lacks_is_dropped_with_the_reason(tmp_path):
+    """GPTQ checkpoints may carry a bias for every linear; vLLM skips those its model has none
+    for, and so does the plan, saying why."""
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "gptq"
+    shutil.copytree(Path(__file__).parent / "fixtures" / "quant" / "gptq_v1", d)
+    shard = next(d.glob("*.safetensors"))
+    tensors = load_file(shard)
+    name = "model.layers.0.self_attn.o_proj.bias"
+    tensors[name] = torch.zeros(tensors["model.layers.0.self_attn.o_proj.scales"].shape[1], dtype=torch.float16)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    index = d / INDEX
+    if index.is_file():
+        data = json.loads(index.read_text())
+        data["weight_map"][name] = shard.name
+        index.write_text(json.dumps(data))
+    dropped = dict(plan(d, tp_size=2, rank=0).dropped)
+    assert "GPTQ checkpoints carry one for every linear" in dropped[name]
 
 
 def test_rotary_cache_is_dropped(llama_dir, tmp_path):

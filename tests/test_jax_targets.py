@@ -52,7 +52,7 @@ def llama_target(config: dict[str, Any], mesh: Any, dtype: Any) -> tuple[dict[st
     sharded over ``("data", "model")`` and one norm kept in float32; with its Python map."""
     import functional_load as fl
 
-    D, N, K, H = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    D, N, K = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
     F, V, L = config["intermediate_size"], config["vocab_size"], config["num_hidden_layers"]
     model = mesh.shape["model"]
     KR, HP = max(K, model), 16
@@ -97,8 +97,10 @@ def llama_expected(config: dict[str, Any], tensors: dict[str, np.ndarray], model
     out: dict[str, Any] = {"embed": tensors["model.embed_tokens.weight"], "layers": []}
     for layer in range(config["num_hidden_layers"]):
         t = {k.split(f"model.layers.{layer}.", 1)[1]: v for k, v in tensors.items() if k.startswith(f"model.layers.{layer}.")}
-        kv = {n: np.pad(einops.rearrange(t[f"self_attn.{n}_proj.weight"], "(k h) d -> d k h", k=K).repeat(max(1, model // K), 1), pad)
-              for n in "kv"}
+        kv = {
+            n: np.pad(einops.rearrange(t[f"self_attn.{n}_proj.weight"], "(k h) d -> d k h", k=K).repeat(max(1, model // K), 1), pad)
+            for n in "kv"
+        }
         out["layers"].append({
             "q": np.pad(einops.rearrange(t["self_attn.q_proj.weight"], "(n h) d -> d n h", n=N), pad),
             "k": kv["k"], "v": kv["v"],
@@ -128,7 +130,8 @@ def assert_tree_equal(got: Any, want: Any, target: Any) -> int:
             data = np.asarray(shard.data)
             want_block = exact[shard.index]
             assert data.shape == want_block.shape, (name, data.shape, want_block.shape)
-            assert np.array_equal(data.view(np.uint8), np.ascontiguousarray(want_block).view(np.uint8)), f"{name}: shard {shard.index} differs"
+            same = np.array_equal(data.view(np.uint8), np.ascontiguousarray(want_block).view(np.uint8))
+            assert same, f"{name}: shard {shard.index} differs"
     return len(got_flat)
 
 

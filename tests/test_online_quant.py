@@ -211,8 +211,8 @@ RSS_CHILD = textwrap.dedent(
 
     import jax, jax.numpy as jnp, torch
     import functional_load as fl
-    from functional_load.transform import kernels as transforms
-    from functional_load.transform.dlpack import to_torch
+    from functional_load.quant import fp8_kernels as transforms
+    from functional_load.dlpack import to_torch
 
     # warm up: the runtimes (torch is imported lazily by the loader: ~200 MB of its own that
     # must not count), one small jitted kernel through DLPack

@@ -33,12 +33,14 @@ from safetensors.torch import save_file
 import functional_load as fl
 from functional_load import CheckpointError, ConfigError, PlanError, ShardingError
 from functional_load.layout.parallel import Parallel
+from functional_load.layout.quantized import Linear, pack_segments
 from functional_load.layout.scales import Blocked
-from functional_load.layout.schemes import Linear, pack_segments, quant_params
 from functional_load.layout.segments import Segment
 from functional_load.layout.sharding import Split
-from functional_load.model.quant import QuantScheme
-from functional_load.transform.dequant import AWQ_REVERSE_ORDER, unpack_int32
+from functional_load.quant.awq import AWQ_REVERSE_ORDER, AwqScheme
+from functional_load.quant.codes import unpack_int32
+from functional_load.quant.gptq import GptqScheme
+from functional_load.quant.pack import PackScheme
 
 QUANT = Path(__file__).parent / "fixtures" / "quant"
 # The dense (Llama) fixtures; a fixture directory is usable once it has its config.json. The MoE
@@ -581,8 +583,8 @@ def test_packing_offsets_merged_gate_up(rank: int) -> None:
     ]
     # the same through a scheme manifest: AWQ qweight [in, out/8] of a merged layer
     linear = Linear("merged", 4096, (Segment(0, 14336, label="output rows"), Segment(1, 14336, label="output rows")))
-    scheme = QuantScheme("awq", bits=4, strategy="group", group_size=128)
-    qweight = {p.suffix: p.sharding for p in quant_params(scheme, linear, "float16")}["qweight"]
+    scheme = AwqScheme(bits=4, group_size=128)
+    qweight = {p.suffix: p.sharding for p in scheme.linear_params(linear, "float16")}["qweight"]
     assert isinstance(qweight, Split) and qweight.dim == 1
     assert _pieces(qweight.pieces(Parallel(8, rank)))[1] == (1, (224 * rank, 224 * rank + 224), (224, 448))
 
@@ -801,10 +803,13 @@ def test_quantization_groups_that_do_not_divide_over_tp(name: str) -> None:
 def test_quantization_groups_unit() -> None:
     """The same, on the scheme manifests alone: row-parallel group tensors of 4 groups at tp=8."""
     linear = Linear("row", 128, (Segment(0, 128, label="output rows"),))
-    grouped = {"gptq": ("qzeros", "scales"), "awq": ("qzeros", "scales"), "pack": ("weight_scale", "weight_zero_point")}
-    for fmt, suffixes in grouped.items():
-        scheme = QuantScheme(fmt, bits=4, strategy="group", group_size=32, symmetric=False)
-        params = {p.suffix: (p.shape, p.sharding) for p in quant_params(scheme, linear, "bfloat16")}
+    grouped = {
+        GptqScheme(4, 32, symmetric=False): ("qzeros", "scales"),
+        AwqScheme(4, 32, symmetric=False): ("qzeros", "scales"),
+        PackScheme(4, 32, symmetric=False): ("weight_scale", "weight_zero_point"),
+    }
+    for scheme, suffixes in grouped.items():
+        params = {p.suffix: (p.shape, p.sharding) for p in scheme.linear_params(linear, "bfloat16")}
         for suffix in suffixes:
             shape, sharding = params[suffix]
             with pytest.raises(ShardingError, match="4 quantization groups"):

@@ -1,4 +1,4 @@
-"""The jitted JAX transforms (``functional_load.transform.kernels``), the output targets and DLPack.
+"""The jitted JAX transforms (``functional_load.quant.fp8_kernels``), the output targets and DLPack.
 
 Everything bit-level is compared with a plain numpy / ml_dtypes reference written here, with the
 conventions of ``transforms``' module docstring (vLLM's):
@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,8 +30,9 @@ import pytest
 import torch
 
 import functional_load as fl
-from functional_load.transform import kernels as transforms
-from functional_load.transform.dlpack import shares_memory, to_jax, to_torch
+from functional_load.dlpack import shares_memory, to_jax, to_torch
+from functional_load.plan.rotary import to_halves, to_pairs
+from functional_load.quant import fp8_kernels as transforms
 
 FIXTURES = Path(__file__).parent / "fixtures" / "quant"
 E4M3FN = ml_dtypes.float8_e4m3fn
@@ -340,13 +342,22 @@ def transformers_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return permute(w, n_heads=n_heads, dim1=dim1, dim2=dim2)
 
 
+def permute_rotary(weight: Any, heads: int) -> Any:
+    """Mistral's interleaved rotary pairs -> HF's halves, per head (transformers' ``permute``)."""
+    return to_halves(weight, weight.shape[0] // heads)
+
+
+def unpermute_rotary(weight: Any, heads: int) -> Any:
+    return to_pairs(weight, weight.shape[0] // heads)
+
+
 @pytest.mark.parametrize(("heads", "head_dim", "cols"), [(1, 4, 3), (8, 8, 64), (2, 128, 16), (4, 64, 5)])
 def test_rotary_permutation_round_trip_and_transformers(heads: int, head_dim: int, cols: int) -> None:
     w = torch.randn(heads * head_dim, cols, generator=torch.Generator().manual_seed(heads))
-    hf = transforms.permute_rotary(w, heads)
-    assert torch.equal(transforms.unpermute_rotary(hf, heads), w)
+    hf = permute_rotary(w, heads)
+    assert torch.equal(unpermute_rotary(hf, heads), w)
     assert torch.equal(hf, transformers_permute(w, heads))
-    as_numpy = transforms.permute_rotary(w.numpy(), heads)  # einops works on any array type
+    as_numpy = permute_rotary(w.numpy(), heads)  # einops works on any array type
     np.testing.assert_array_equal(as_numpy, hf.numpy())
     assert not torch.equal(hf, w) or head_dim == 2
 
@@ -354,9 +365,9 @@ def test_rotary_permutation_round_trip_and_transformers(heads: int, head_dim: in
 def test_rotary_permutation_hand_example() -> None:
     # per head, interleaved pairs (x0, y0), (x1, y1) -> halves x0, x1 | y0, y1
     rows = torch.arange(8).reshape(8, 1)
-    assert transforms.permute_rotary(rows, 2).flatten().tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
-    assert transforms.unpermute_rotary(rows, 2).flatten().tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
-    assert transforms.permute_rotary(torch.arange(8).reshape(8, 1), 1).flatten().tolist() == [0, 2, 4, 6, 1, 3, 5, 7]
+    assert permute_rotary(rows, 2).flatten().tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
+    assert unpermute_rotary(rows, 2).flatten().tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
+    assert permute_rotary(torch.arange(8).reshape(8, 1), 1).flatten().tolist() == [0, 2, 4, 6, 1, 3, 5, 7]
 
 
 # ------------------------------------------------------------------------------------------

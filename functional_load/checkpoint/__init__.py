@@ -25,6 +25,7 @@ from types import MappingProxyType
 
 from ..dtypes import itemsize
 from ..errors import FormatError
+from ..model.mapping import MappingTable
 
 Range = tuple[int, int]
 Box = tuple[Range, ...]
@@ -199,6 +200,8 @@ class Checkpoint:
     index_file: Path | None = None
     rank_local: bool = False
     checksums: Mapping[Path, str] = field(default_factory=dict)  # file -> SHA-256 where recorded (a save's manifest)
+    # name tables of how the checkpoint is stored, applied before the layout's (Mistral's own names)
+    renames: tuple[MappingTable, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tensors", MappingProxyType(dict(self.tensors)))

@@ -14,8 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
-from ..errors import CheckpointError, FormatError, MissingFileError, SecurityError
-from ..model.config import LOAD_FORMATS, checkpoint_format
+from ..errors import CheckpointError, ConfigError, FormatError, MissingFileError, SecurityError
 from ..paths import check_contained, strict_json_loads
 
 __all__ = ["LOAD_FORMATS", "WeightFiles", "discover", "natural_sort_key"]
@@ -98,6 +97,20 @@ def _read_weight_map(index_file: Path) -> dict[str, str]:
                 "directory (no path separators, '..' or absolute paths)"
             )
     return weight_map
+
+
+LOAD_FORMATS = ("auto", "hf", "safetensors", "mistral", "pt")
+
+
+def checkpoint_format(directory: Path, load_format: str = "auto") -> str:
+    """The weight format a load of ``directory`` uses, as vLLM 0.32 decides it: ``"auto"`` picks
+    Mistral's own format when any ``consolidated*.safetensors`` is there, else ``"hf"``."""
+    if not isinstance(load_format, str) or load_format.lower() not in LOAD_FORMATS:
+        raise ConfigError(f"Unknown load_format {load_format!r}; use one of {', '.join(LOAD_FORMATS)} (or 'dummy' for plan/load)")
+    fmt = load_format.lower()
+    if fmt == "auto":
+        return "mistral" if any(directory.glob("consolidated*.safetensors")) else "hf"
+    return fmt
 
 
 def discover(model_dir: str | os.PathLike, load_format: str = "auto") -> WeightFiles:

@@ -18,6 +18,7 @@ from ..errors import CheckpointError, FormatError, IntegrityError, SecurityError
 from ..paths import strict_json_loads
 from . import Checkpoint, FileSpan, FileStamp, TensorInfo, paused_gc, span_info
 from .discover import WeightFiles
+from .mistral import MISTRAL_NAMES
 from .pickles import index_pickles
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # same cap as the safetensors library
@@ -283,4 +284,5 @@ def _index_safetensors(files: WeightFiles) -> Checkpoint:
                         "and there is no index file to choose; remove the duplicate file or add an index."
                     )
                 tensors[name] = info
-    return Checkpoint(files.directory, files.load_format, files.files, tensors, files.index_file)
+    renames = (MISTRAL_NAMES,) if files.load_format == "mistral" else ()
+    return Checkpoint(files.directory, files.load_format, files.files, tensors, files.index_file, renames=renames)

@@ -13,9 +13,10 @@ from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from ..api import plan, resolve_model_dir
+from ..checkpoint.discover import checkpoint_format
 from ..errors import ConfigError
 from ..layout.parallel import Parallel
-from ..model.config import checkpoint_format, read_config
+from ..model.config import read_config
 from .vllm_model import LOAD_FORMAT, MoePlacement, VllmLoadOptions, check_supported, fill_model, write_report
 
 logger = logging.getLogger("vllm.functional_load")  # under vLLM's logger: its handlers print it

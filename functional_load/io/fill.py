@@ -18,10 +18,6 @@ from ..plan.plan import Copy, ParamPlan, Plan
 from .dummy import initialize_dummy
 from .reader import Reader
 
-# Parameters that hold quantization scales (the last part of the name ends so: MoE experts'
-# ``w13_weight_scale`` too): every element read from the checkpoint must be finite (and, for
-# FP8/int8 and KV-cache scales, positive; MXFP4's e8m0 exponents must not be 0xFF, NaN).
-SCALE_SUFFIXES = ("weight_scale", "weight_scale_inv", "input_scale", "scales", "q_scale", "k_scale", "v_scale", "prob_scale")
 ALIGN = 64
 
 
@@ -111,26 +107,26 @@ def verify_shared(plan: Plan, param: ParamPlan, tensor: Any, reader: Reader) -> 
 
 
 def check_scale(plan: Plan, param: ParamPlan, tensor: Any) -> None:
-    """A NaN, infinite, zero or negative scale would silently corrupt every dequantized weight.
-    Integer group scales (GPTQ, AWQ, pack-quantized) only need to be finite: some producers
-    (auto-round's symmetric GPTQ) store negative ones on purpose."""
+    """A NaN, infinite, zero or negative scale would silently corrupt every dequantized weight: a
+    parameter's ``check`` (data its format put on it) says what its values must be: ``"positive"``
+    (finite and > 0), ``"finite"`` (integer group scales: some producers store negative ones on
+    purpose) or ``"e8m0"`` (exponent bytes, 0xFF is NaN)."""
     import torch
 
-    values = tensor.float()
-    scheme = plan.schemes.get(param.spec.module)
-    signed = scheme is not None and scheme.format in ("pack", "gptq", "awq")
-    if scheme is not None and scheme.format == "mxfp4":
-        bad = values == 255  # the e8m0 NaN
-    elif signed:
+    check = param.spec.check
+    values = tensor.view(torch.uint8).float() if tensor.dtype == torch.float8_e8m0fnu and check == "e8m0" else tensor.float()
+    if check == "e8m0":
+        bad = values == 255
+    elif check == "finite":
         bad = ~torch.isfinite(values)
     else:
         bad = ~(torch.isfinite(values) & (values > 0))
     if bool(bad.any()):
         sources = sorted({c.tensor for c in param.copies}) or ["(default)"]
         first = values[bad].flatten()[0].item()
+        what = {"e8m0": "valid e8m0 exponents (not 0xFF)", "finite": "finite"}.get(str(check), "finite and positive")
         raise CheckpointError(
-            f"{param.spec.name}: {int(bad.sum())} of {values.numel()} scale values are not finite"
-            f"{'' if signed else ' and positive'} "
+            f"{param.spec.name}: {int(bad.sum())} of {values.numel()} scale values are not {what} "
             f"(e.g. {first}); from checkpoint tensor(s) {sources} in "
             f"{sorted({plan.tensors[t].file.name for t in sources if t in plan.tensors})}. The checkpoint is corrupt "
             f"or was exported wrongly; re-export it"
@@ -155,5 +151,6 @@ def load_param(plan: Plan, param: ParamPlan, reader: Reader, dtype: str | None =
 
 
 def is_scale(param: ParamPlan) -> bool:
-    """A scale read from the checkpoint (a default, like vLLM's -1.0 "absent" KV scale, is not data)."""
-    return param.spec.name.rsplit(".", 1)[-1].endswith(SCALE_SUFFIXES) and bool(param.copies)
+    """A checked parameter (a scale) read from the checkpoint (a default, like vLLM's -1.0 "absent"
+    KV scale, is not data)."""
+    return param.spec.check is not None and bool(param.copies)

@@ -15,45 +15,16 @@ from typing import Any
 from ..errors import ConfigError, ShardingError
 from ..model.expressions import Scope, evaluate
 from ..model.mapping import ROTARY_CACHES, MappingTable
-from ..model.mistral import MISTRAL_NAMES
-from ..model.quant import QuantConfig, QuantScheme
 from ..model.spec import ArchSpec, ModuleSpec
 from ..vllm_target import VLLM_VERSION
 from .modules import module_params
 from .parallel import Parallel
-from .sharding import Sharding
+from .param import ParamSpec
+from .quantized import Quantization, Scheme
 
 # A config asking for more layers than this is corrupt or hostile (real models have a few hundred
 # at most); expanding it would take unbounded time and memory before any check could fail.
 MAX_LAYERS = 10_000
-
-
-@dataclass(frozen=True, slots=True)
-class ParamSpec:
-    """One destination parameter on one rank.
-
-    ``shape`` is the global shape in the orientation of the destination (``[out, in]`` for
-    linear weights), unpadded and unreplicated, i.e. what the checkpoint holds; ``local_shape``
-    is what this rank allocates. ``transposed`` marks a 2-D weight that the checkpoint stores as
-    ``[in, out]`` (GPT-2 ``Conv1D``) and that is transposed on load.
-    """
-
-    name: str
-    module: str
-    shape: tuple[int, ...]
-    local_shape: tuple[int, ...]
-    dtype: str  # a torch dtype name
-    sharding: Sharding
-    transposed: bool = False
-    default: float | None = None  # value when the checkpoint lacks it (KV-cache scales: vLLM's created value)
-    derived: bool = False  # computed at load from another parameter (scales of online quantization)
-
-    def local_pieces(self, parallel: Parallel, dim: int = 0) -> list[tuple[Any, tuple[int, int]]]:
-        """``(segment id, local range)`` along ``dim`` on this rank: each fused segment's, when the
-        parameter's segments lie along ``dim``; else one ``(None, whole dimension)`` piece."""
-        if self.sharding.split_dim == dim:
-            return self.sharding.segment_ranges(self.shape, parallel)
-        return [(None, (0, self.local_shape[dim] if self.local_shape else 1))]
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,11 +35,14 @@ class Layout:
     params: Mapping[str, ParamSpec]
     mapping: tuple[MappingTable, ...]
     aliases: Mapping[str, str]  # tied alias -> canonical parameter
-    schemes: Mapping[str, QuantScheme] = field(default_factory=dict)  # quantized module -> its scheme
+    schemes: Mapping[str, Scheme] = field(default_factory=dict)  # quantized module -> its scheme
     drops: tuple[tuple[str, str], ...] = ()  # (name prefix, why): checkpoint tensors that are no parameter
     # (module pattern, why): modules left out (``vision = true`` ones with text_only; ``{layer}`` stands
     # for any layer); checkpoint tensors mapped into them are dropped
     left_out: tuple[tuple[str, str], ...] = ()
+    # (regex, why): checkpoint tensors dropped when no parameter takes them (the quantization method's
+    # optional tensors: KV-cache scales it has no parameter for, GPTQ's zero biases)
+    optional: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
@@ -115,15 +89,15 @@ def _instances(
 
 
 def model_tp_sizes(
-    config: Mapping[str, Any], spec: ArchSpec, parallel: Parallel, dtype: str, quant: QuantConfig | None, up_to: int = 64,
-    load_format: str = "hf", text_only: bool = False,
+    config: Mapping[str, Any], spec: ArchSpec, parallel: Parallel, dtype: str, quant: Quantization | None, up_to: int = 64,
+    text_only: bool = False,
 ) -> list[int]:
     """Every tp size that divides every module of the model (for error messages)."""
     sizes = []
     for tp in range(1, up_to + 1):
         try:
             one = replace(parallel, tp_size=tp, rank=0, num_redundant_experts=0)
-            build_layout(config, spec, one, dtype, quant, report=False, load_format=load_format, text_only=text_only)
+            build_layout(config, spec, one, dtype, quant, report=False, text_only=text_only)
         except (ShardingError, ConfigError):
             continue
         sizes.append(tp)
@@ -154,17 +128,16 @@ def _served_placement(spec: ArchSpec, scope: Scope, parallel: Parallel, warn: bo
 
 
 def build_layout(
-    config: Mapping[str, Any], spec: ArchSpec, parallel: Parallel, dtype: str, quant: QuantConfig | None = None,
-    *, report: bool = True, load_format: str = "hf", text_only: bool = False,
+    config: Mapping[str, Any], spec: ArchSpec, parallel: Parallel, dtype: str, quant: Quantization | None = None,
+    *, report: bool = True, text_only: bool = False,
 ) -> Layout:
-    """Every parameter of ``parallel.rank``; ``quant`` decides each linear's quantized tensors;
-    ``load_format`` is the checkpoint's (``"mistral"``: Mistral's own names, mapped first);
-    ``text_only`` leaves out the ``vision = true`` modules (their tensors are dropped, with the
-    reason). Divisibility problems of all modules are collected and raised together as one
-    ShardingError."""
+    """Every parameter of ``parallel.rank``; ``quant`` (a parsed quantization config, see
+    :mod:`functional_load.quant`) decides each linear's quantized tensors; ``text_only`` leaves
+    out the ``vision = true`` modules (their tensors are dropped, with the reason). Divisibility
+    problems of all modules are collected and raised together as one ShardingError."""
     scope = Scope(config, spec.dims)
     stages = tuple(stage.table for stage in spec.stages if evaluate(stage.when, scope))
-    schemes: dict[str, QuantScheme] = {}
+    schemes: dict[str, Scheme] = {}
     num_layers = scope.int(spec.layers, f"{spec.name}.layers")
     if num_layers > MAX_LAYERS:
         raise ConfigError(
@@ -184,18 +157,22 @@ def build_layout(
             continue
         transposed = bool(module.fields.get("transposed", False))
         try:
-            for suffix, shape, sharding, param_dtype, default in module_params(module, name, module_scope, dtype, quant, stages, schemes):
-                full = f"{name}.{suffix}"
+            for d in module_params(module, name, module_scope, dtype, quant, stages, schemes):
+                full = f"{name}.{d.suffix}"
+                online = name in schemes and schemes[name].online
                 params[full] = ParamSpec(
                     name=full,
                     module=name,
-                    shape=shape,
-                    local_shape=sharding.local_shape(shape, parallel),
-                    dtype=param_dtype,
-                    sharding=sharding,
-                    transposed=transposed and suffix == "weight" and len(shape) == 2,
-                    default=default,
-                    derived=name in schemes and schemes[name].online and suffix != "weight",
+                    shape=d.shape,
+                    local_shape=d.sharding.local_shape(d.shape, parallel),
+                    dtype=d.dtype,
+                    sharding=d.sharding,
+                    transposed=transposed and d.suffix == "weight" and len(d.shape) == 2,
+                    default=d.default,
+                    derived=online and d.role != "weight",
+                    check=d.check,
+                    stored=d.stored,
+                    role=d.role,
                 )
         except ShardingError as exc:
             failed.add(module.pattern)
@@ -207,7 +184,7 @@ def build_layout(
         raise ShardingError(problems[0])
     if problems:
         head = f"{spec.name} does not shard over tp_size={parallel.tp_size}:"
-        sizes = model_tp_sizes(config, spec, parallel, dtype, quant, load_format=load_format, text_only=text_only)
+        sizes = model_tp_sizes(config, spec, parallel, dtype, quant, text_only=text_only)
         tail = f"tp sizes (up to 64) that work for the whole model: {sizes}"
         raise ShardingError("\n".join([head, *(f"  - {p}" for p in problems), tail]))
     aliases = {}
@@ -215,9 +192,9 @@ def build_layout(
         params.pop(spec.prefix + spec.tie.alias, None)
         aliases[spec.prefix + spec.tie.alias] = spec.prefix + spec.tie.target
     quant_stages = quant.mapping if quant else ()
-    formats = (MISTRAL_NAMES,) if load_format == "mistral" else ()
-    mapping = (*formats, ROTARY_CACHES, *quant_stages, *stages)
-    return Layout(spec.name, parallel, dtype, params, mapping, aliases, schemes, _drops(spec, scope), left_out)
+    mapping = (ROTARY_CACHES, *quant_stages, *stages)
+    optional = tuple(quant.optional) if quant else ()
+    return Layout(spec.name, parallel, dtype, params, mapping, aliases, schemes, _drops(spec, scope), left_out, optional)
 
 
 def _drops(spec: ArchSpec, scope: Scope) -> tuple[tuple[str, str], ...]:

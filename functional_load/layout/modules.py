@@ -12,10 +12,9 @@ from collections.abc import Mapping
 from ..errors import ConfigError
 from ..model.expressions import Scope, evaluate
 from ..model.mapping import MappingTable
-from ..model.quant import QuantConfig, QuantScheme
 from ..model.spec import ModuleSpec
 from .experts import expert_params
-from .schemes import Linear, ParamDef, quant_params
+from .quantized import Linear, ParamDef, Quantization, Scheme
 from .segments import Segment
 from .sharding import Replicated, Sharding, Split, VocabSplit
 
@@ -46,7 +45,7 @@ def _linear(module: ModuleSpec, scope: Scope) -> Linear:
     return Linear(kind, in_size, segments, bool(f.get("disable_tp", False)))
 
 
-def _linear_params(linear: Linear, scheme: QuantScheme | None, model_dtype: str, has_bias: bool) -> list[ParamDef]:
+def _linear_params(linear: Linear, scheme: Scheme | None, model_dtype: str, has_bias: bool) -> list[ParamDef]:
     """Weight (or the scheme's quantized tensors) and the unquantized bias."""
     if linear.kind == "row":
         weight: Sharding = Split(1, (Segment(0, linear.in_size, label="input columns"),))
@@ -59,15 +58,15 @@ def _linear_params(linear: Linear, scheme: QuantScheme | None, model_dtype: str,
     if scheme is None:
         params = [ParamDef("weight", (linear.out_size, linear.in_size), weight, model_dtype)]
     else:
-        params = quant_params(scheme, linear, model_dtype)
+        params = scheme.linear_params(linear, model_dtype)
     if has_bias:
-        params.append(ParamDef("bias", (linear.out_size,), bias, model_dtype))
+        params.append(ParamDef("bias", (linear.out_size,), bias, model_dtype, role="bias"))
     return params
 
 
 def module_params(
-    module: ModuleSpec, name: str, scope: Scope, dtype: str, quant: QuantConfig | None,
-    layout_stages: tuple[MappingTable, ...], schemes: dict[str, QuantScheme],
+    module: ModuleSpec, name: str, scope: Scope, dtype: str, quant: Quantization | None,
+    layout_stages: tuple[MappingTable, ...], schemes: dict[str, Scheme],
 ) -> list[ParamDef]:
     f = module.fields
     if module.kind == "vocab":
@@ -88,7 +87,10 @@ def module_params(
         return [ParamDef(suffix, (heads,), split, dtype) for suffix in f["params"]]
     if module.kind == "kv_cache":  # the quantization method's KV-cache parameters (none when unquantized)
         kv = quant.kv_params if quant else ()
-        return [ParamDef(n, shape, Replicated(), dtype if p_dtype == "model" else p_dtype, value) for n, shape, p_dtype, value in kv]
+        return [
+            ParamDef(n, shape, Replicated(), dtype if p_dtype == "model" else p_dtype, value, check, role="kv_scale")
+            for n, shape, p_dtype, value, check in kv
+        ]
     if module.kind == "experts":
         scheme = _experts_scheme(module, name, quant, layout_stages)
         if scheme is not None:
@@ -114,7 +116,7 @@ def _checkpoint_modules(module: str, stages: tuple[MappingTable, ...]) -> list[s
     return parts or [module]
 
 
-def _experts_scheme(module: ModuleSpec, name: str, quant: QuantConfig | None, stages: tuple[MappingTable, ...]) -> QuantScheme | None:
+def _experts_scheme(module: ModuleSpec, name: str, quant: Quantization | None, stages: tuple[MappingTable, ...]) -> Scheme | None:
     """The scheme of an MoE layer's experts: that of its checkpoint expert modules (expert 0's
     gate, up and down projections, which must agree), as vLLM picks one method per layer."""
     if quant is None or not quant.quantizes("experts"):

@@ -14,18 +14,6 @@ from .mistral import PARAMS, mistral_config
 
 MAX_CONFIG_BYTES = 16 * 1024 * 1024
 CONFIG = "config.json"
-LOAD_FORMATS = ("auto", "hf", "safetensors", "mistral", "pt")
-
-
-def checkpoint_format(directory: Path, load_format: str = "auto") -> str:
-    """The weight format a load of ``directory`` uses, as vLLM 0.32 decides it: ``"auto"`` picks
-    Mistral's own format when any ``consolidated*.safetensors`` is there, else ``"hf"``."""
-    if not isinstance(load_format, str) or load_format.lower() not in LOAD_FORMATS:
-        raise ConfigError(f"Unknown load_format {load_format!r}; use one of {', '.join(LOAD_FORMATS)} (or 'dummy' for plan/load)")
-    fmt = load_format.lower()
-    if fmt == "auto":
-        return "mistral" if any(directory.glob("consolidated*.safetensors")) else "hf"
-    return fmt
 
 
 def model_directory(model: str | os.PathLike[str]) -> Path:
@@ -44,14 +32,15 @@ def model_directory(model: str | os.PathLike[str]) -> Path:
     raise MissingFileError(f"{path}: model directory not found (it must be a local directory holding config.json)")
 
 
-def read_config(model: str | os.PathLike[str], load_format: str = "auto") -> dict[str, Any]:
+def read_config(model: str | os.PathLike[str], fmt: str = "hf") -> dict[str, Any]:
     """The model's config as a dict: its ``config.json`` (strict JSON: no duplicate keys, no NaN),
-    or for Mistral's own format its ``params.json`` adapted as vLLM adapts it (with
-    ``config.json``'s keys as defaults). ``model`` is the model directory or its ``config.json``."""
+    or for Mistral's own format (``fmt="mistral"``, as :func:`functional_load.checkpoint.discover.checkpoint_format`
+    decides) its ``params.json`` adapted as vLLM adapts it (with ``config.json``'s keys as
+    defaults). ``model`` is the model directory or its ``config.json``."""
     directory = model_directory(model)
     path = directory / CONFIG
     params = directory / PARAMS
-    if checkpoint_format(directory, load_format) == "mistral" and params.is_file():
+    if fmt == "mistral" and params.is_file():
         defaults = _read_json(path, directory) if path.is_file() else {}
         for key in ("dtype", "torch_dtype"):  # vLLM takes the dtype from params.json or the weights, never config.json
             defaults.pop(key, None)

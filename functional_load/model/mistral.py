@@ -1,10 +1,6 @@
-"""Mistral's own checkpoint format (``params.json`` + ``consolidated*.safetensors``), as vLLM 0.32
-reads it: ``params.json`` adapted to an HF-style config (``transformers_utils.configs.mistral``)
-and Mistral-native tensor names mapped to HF ones (``MistralForCausalLM.maybe_remap_mistral``).
-
-vLLM also permutes ``wq``/``wk`` rows (and per-row ``qscale_weight``) from Meta's interleaved
-rotary pairs to halves: the table marks those names ``interleaved``.
-"""
+"""Mistral's own config (``params.json``), as vLLM 0.32 reads it: adapted to an HF-style config
+(``transformers_utils.configs.mistral``). Its tensor names are the checkpoint stage's business
+(:mod:`functional_load.checkpoint.mistral`)."""
 
 from __future__ import annotations
 
@@ -12,31 +8,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import ConfigError
-from .mapping import MappingTable
 
 PARAMS = "params.json"
-
-# Mistral-native names -> HF names, applied before any other table (vLLM renames first, too).
-MISTRAL_NAMES = MappingTable.from_dicts(
-    interleaved={r"\.attention\.w[qk]\.(weight|qscale_weight)$": True},
-    regex={
-        r"^tok_embeddings\.": "model.embed_tokens.",
-        r"^norm\.": "model.norm.",
-        r"^output\.": "lm_head.",
-        r"^layers\.": "model.layers.",
-        r"\.attention\.w([qkvo])\.": r".self_attn.\1_proj.",
-        r"\.attention\.kv_fake_quantizer\.qscale_act$": ".self_attn.kv_scale",
-        r"\.attention\.q_fake_quantizer\.qscale_act$": ".self_attn.attn.q_scale",
-        r"\.attention\.([kv])_fake_quantizer\.qscale_act$": r".self_attn.\1_scale",
-        r"\.attention_norm\.": ".input_layernorm.",
-        r"\.ffn_norm\.": ".post_attention_layernorm.",
-        r"\.feed_forward\.w1\.": ".mlp.gate_proj.",
-        r"\.feed_forward\.w2\.": ".mlp.down_proj.",
-        r"\.feed_forward\.w3\.": ".mlp.up_proj.",
-        r"\.qscale_weight$": ".weight_scale",
-        r"\.qscale_act$": ".input_scale",
-    }
-)
 
 # params.json key -> HF config key
 _KEYS = {

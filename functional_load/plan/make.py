@@ -14,18 +14,15 @@ from dataclasses import replace
 from typing import Any
 
 from ..checkpoint import Checkpoint, TensorInfo, paused_gc
-from ..dtypes import torch_name
+from ..dtypes import FLOAT8, torch_name
 from ..errors import PlanError, ShardingError
 from ..layout.build import Layout, ParamSpec
 from ..layout.segments import Box, box_volume, boxes_overlap, full_box, swap_last
 from ..layout.sharding import Part
-from ..model.mapping import NameMapper, ShardId
+from ..model.mapping import MappingTable, NameMapper, ShardId
 from .plan import Copy, ParamPlan, Plan, _slices
 
-# KV-cache tensors a quantization method may have no parameter for: vLLM ignores them when unexpected.
 Routed = tuple[str, tuple[ShardId, ...], int | None, bool]  # a Mapped's fields: parameter, shard ids, expert, interleaved
-IGNORED_WHEN_UNEXPECTED = (".q_scale", ".k_scale", ".v_scale", ".q_zero_point", ".k_zero_point", ".v_zero_point")
-_FP8 = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
 
 
 def make_plan(layout: Layout, checkpoint: Checkpoint) -> Plan:
@@ -50,7 +47,7 @@ def _make_plan(layout: Layout, checkpoint: Checkpoint) -> Plan:
     unplaced: list[tuple[str, TensorInfo, str]] = []  # checkpoint tensors with no destination
     used: dict[str, TensorInfo] = {}
     parallel = layout.parallel
-    router = _Router(layout)
+    router = _Router(layout, checkpoint.renames)
     parts = _Parts(layout, checkpoint)
 
     not_held: dict[int | None, str] = {}
@@ -128,7 +125,7 @@ def _make_plan(layout: Layout, checkpoint: Checkpoint) -> Plan:
 class _Router:
     """The parameter a checkpoint tensor goes to, or None (dropped with the reason, or a problem)."""
 
-    def __init__(self, layout: Layout):
+    def __init__(self, layout: Layout, renames: tuple[MappingTable, ...] = ()):
         self.layout = layout
         self.params = dict(layout.params)
         self.aliases = dict(layout.aliases)
@@ -136,7 +133,8 @@ class _Router:
         self.left_out = [  # text_only: the vision modules
             (re.compile(re.escape(pattern).replace(re.escape("{layer}"), r"\d+") + r"\."), why) for pattern, why in layout.left_out
         ]
-        self.mapper = NameMapper(layout.mapping)
+        self.mapper = NameMapper(renames + layout.mapping)
+        self.optional = [(re.compile(pattern), why) for pattern, why in layout.optional]
 
     def route(
         self, name: str, dropped: list[tuple[str, str]], unplaced: list[tuple[str, TensorInfo, str]], info: TensorInfo
@@ -156,10 +154,8 @@ class _Router:
             dropped.append((name, f"tied: {param} is the same tensor as {self.aliases[param]}"))
         elif left_out := self._left_out(param):
             dropped.append((name, left_out))
-        elif param.endswith(".bias"):
-            dropped.append((name, f"unexpected bias {param} (ignored, as vLLM does for GPTQ checkpoints)"))
-        elif param.endswith(IGNORED_WHEN_UNEXPECTED):
-            dropped.append((name, f"{param}: the quantization method has no such KV-cache parameter (vLLM ignores it)"))
+        elif optional := next((why for regex, why in self.optional if regex.search(param)), None):
+            dropped.append((name, f"{param}: {optional}"))
         else:
             unplaced.append((name, info, param))
         return None
@@ -217,24 +213,24 @@ def _mismatch(name: str, info: TensorInfo, spec: ParamSpec, part: Part, shard_id
             f"{list(stored)} for parameter {spec.name}{what}; check config.json against the checkpoint"
         )
     source = torch_name(info.dtype)
-    if source in _FP8 and source != spec.dtype:
+    if source in FLOAT8 and source != spec.dtype and source not in spec.stored:
         return (
             f"checkpoint tensor {name!r} in {info.file.name} is {source}, a quantized weight, but parameter "
             f"{spec.name} is {spec.dtype}: casting it without its scales would load wrong values. The config's "
             f"quantization_config does not cover this module (or ignores it); fix the config"
         )
-    scheme = layout.schemes.get(spec.module)
-    if spec.dtype in _FP8 and source not in _FP8 and not (scheme is not None and scheme.online):
+    if spec.stored and source not in spec.stored:
+        scheme = layout.schemes.get(spec.module)
+        method = f" ({scheme.format})" if scheme is not None else ""
         return (
-            f"checkpoint tensor {name!r} in {info.file.name} is {source}, unquantized, but parameter {spec.name} is "
-            f"{spec.dtype}: the quantization config quantizes module {spec.module}, and casting the tensor would load "
-            f"it without its scale (vLLM does, leaving the scale uninitialised). If the module is stored unquantized, "
+            f"checkpoint tensor {name!r} in {info.file.name} is {source}, but parameter {spec.name} is stored as "
+            f"{' or '.join(spec.stored)}: the quantization config quantizes module {spec.module}{method}, and casting the tensor "
+            f"would load it without its scales (vLLM does, leaving them uninitialised). If the module is stored unquantized, "
             f"list it in quantization_config's ignore list by its full name ({spec.module!r}): vLLM matches that list "
             f"exactly, so a short name such as 'mlp.gate' does not exclude it"
         )
     is_float = source.startswith(("float", "bfloat"))
-    metadata = spec.name.endswith("weight_shape")  # an integer shape vLLM keeps in the model dtype (MoE)
-    if is_float != spec.dtype.startswith(("float", "bfloat")) and source != spec.dtype and not metadata:
+    if is_float != spec.dtype.startswith(("float", "bfloat")) and source != spec.dtype and not spec.stored:
         return (
             f"checkpoint tensor {name!r} in {info.file.name} has dtype {info.dtype}, which cannot be cast "
             f"to the parameter dtype {spec.dtype} of {spec.name}"

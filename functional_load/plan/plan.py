@@ -17,8 +17,8 @@ from ..checkpoint import TensorInfo
 from ..dtypes import itemsize, torch_itemsize
 from ..layout.build import ParamSpec
 from ..layout.parallel import Parallel
+from ..layout.quantized import Scheme
 from ..layout.segments import Box, box_volume, full_box
-from ..model.quant import QuantScheme
 from .rotary import to_halves
 
 
@@ -94,7 +94,7 @@ class Plan:
     tensors: Mapping[str, TensorInfo]  # the checkpoint tensors this plan reads
     aliases: Mapping[str, str] = field(default_factory=dict)  # tied alias -> canonical parameter
     dropped: tuple[tuple[str, str], ...] = ()  # (checkpoint tensor, why it is not loaded)
-    schemes: Mapping[str, QuantScheme] = field(default_factory=dict)  # quantized module -> scheme
+    schemes: Mapping[str, Scheme] = field(default_factory=dict)  # quantized module -> scheme
     checksums: Mapping[Path, str] = field(default_factory=dict)  # file -> SHA-256 where recorded (pre-sharded saves)
     _index: Mapping[str, ParamPlan] = field(init=False, repr=False, compare=False)
 
@@ -169,7 +169,7 @@ class Plan:
                 for p in self.params
             ],
             "aliases": dict(self.aliases),
-            "schemes": {m: {k: getattr(q, k) for k in q.__slots__} for m, q in self.schemes.items()},
+            "schemes": {m: q.to_json() for m, q in self.schemes.items()},
             "checksums": {str(f): h for f, h in self.checksums.items()},
             "dropped": [{"tensor": t, "reason": r} for t, r in self.dropped],
         }

@@ -1,8 +1,8 @@
-"""Post-load transforms as pure, jitted JAX functions over arrays.
+"""The FP8 format's kernels: pure, jitted JAX functions over arrays (imported when one runs).
 
 Checkpoint layouts are made for storage; kernels want others. Each function here takes and
-returns arrays (no module state) and is ``jax.jit``-compiled once per shape; :mod:`.targets`
-applies them to a loaded state. Torch tensors cross over through DLPack (:mod:`.materialize`).
+returns arrays (no module state) and is ``jax.jit``-compiled once per shape; :mod:`.fp8_targets`
+applies them to a loaded state. Torch tensors cross over through DLPack (:mod:`functional_load.dlpack`).
 
 Bit-level conventions follow vLLM (``w8a8_utils``, ``fp8_utils``):
 
@@ -16,12 +16,9 @@ Bit-level conventions follow vLLM (``w8a8_utils``, ``fp8_utils``):
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
 
 import jax
 import jax.numpy as jnp
-
-from ..plan.rotary import to_halves, to_pairs
 
 FP8_MAX = 448.0  # float8_e4m3fn
 FP8_FNUZ_MAX = 224.0  # vLLM quantizes to +-224 on FNUZ platforms (the format's max is 240)
@@ -133,16 +130,3 @@ def transpose(weight: jax.Array) -> jax.Array:
 @jax.jit
 def _transpose(weight: jax.Array) -> jax.Array:
     return weight.T
-
-
-def permute_rotary(weight: Any, heads: int) -> Any:
-    """Mistral consolidated q/k weights interleave rotary pairs per head; HF layout splits them
-    in halves (``transformers``' ``permute`` in its Mistral conversion). Returns the HF layout."""
-    return to_halves(weight, weight.shape[0] // heads)
-
-
-def unpermute_rotary(weight: Any, heads: int) -> Any:
-    """Inverse of :func:`permute_rotary`."""
-    return to_pairs(weight, weight.shape[0] // heads)
-
-

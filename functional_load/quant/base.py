@@ -1,0 +1,66 @@
+"""What every format's scheme shares: defaults for the parts of the interface a format may leave.
+
+A scheme is a frozen value (its format's fields) with behaviour, like the slice descriptors: its
+manifests (:meth:`linear_params`, :meth:`expert_params`), dequantization, post-load transforms
+(:meth:`apply_target`) and online quantization. :class:`functional_load.layout.quantized.Scheme`
+is the interface the layout sees; this base gives the defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import ConfigError, LoadError
+from ..layout.experts import from_linears
+from ..layout.parallel import Parallel
+from ..layout.quantized import Experts, Get, Linear, ParamDef
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BaseScheme:
+    """Defaults: experts from the dense manifests (:func:`~functional_load.layout.experts.from_linears`),
+    experts dequantized one by one, no post-load transform, no online quantization."""
+
+    @property
+    def format(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def online(self) -> bool:
+        return False
+
+    def linear_params(self, linear: Linear, model_dtype: str) -> list[ParamDef]:
+        raise NotImplementedError
+
+    def expert_params(self, experts: Experts, model_dtype: str) -> list[ParamDef]:
+        return from_linears(self, experts, model_dtype)
+
+    def dequantize(self, get: Get, specs: Mapping[str, Any], parallel: Parallel, target: str = "checkpoint") -> Any:
+        raise NotImplementedError
+
+    def dequantize_experts(self, get: Get, stem: str, specs: Mapping[str, Any], parallel: Parallel) -> Any:
+        """Each local expert dequantized as a linear of its own (``get(suffix)[slot]``)."""
+        import torch
+
+        weight = next(name for name, spec in specs.items() if spec.role == "weight" and name.startswith(f"{stem}_"))
+        count = get(weight).shape[0]
+
+        def expert(slot: int) -> Any:
+            return self.dequantize(lambda suffix: get(f"{stem}_{suffix}")[slot], {}, parallel, "checkpoint")
+
+        return torch.stack([expert(s) for s in range(count)]) if count else torch.empty(0)
+
+    def apply_target(self, target: str, module: str, tensors: dict[str, Any], specs: Mapping[str, Any], parallel: Parallel) -> None:
+        """Turn the module's tensors (by full name, in place in ``tensors``) into ``target``'s layout."""
+
+    def quantize(self, dense: Any, specs: Mapping[str, Any], parallel: Parallel) -> dict[str, Any]:
+        raise ConfigError(f"{self.format} weights cannot be quantized while loading")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": self.format, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}}
+
+
+def missing(module: str, suffix: str) -> LoadError:
+    return LoadError(f"dequantize: {module}.{suffix} is missing from the state")

@@ -1,0 +1,240 @@
+"""FP8 (e4m3) weights with a scale: per tensor, per channel or per block; and INT8, the same shape.
+
+* Parsing: vLLM's ``fp8`` method (AutoFP8 / Quark-exported per-tensor checkpoints with
+  ``activation_scheme``; DeepSeek / transformers FineGrainedFP8 ``weight_block_size`` with
+  ``weight_scale_inv``), and online quantization (``quantization="fp8"`` / ``"fp8_block"``).
+  compressed-tensors, Quark and ModelOpt configs build the same :class:`Fp8Scheme` (their modules).
+* Manifest (vLLM ``create_weights``): ``weight`` e4m3 (int8 for INT8); the scale: one per logical
+  shard of a fused linear (``Slots``), ``[out, 1]`` per channel, or block scales ``Blocked``
+  (vLLM's block-shape rule; for fused experts ``ExpertBlocks``, refined grids for the fp8
+  method); a static ``input_scale`` per shard. Scales are read before any weight and must be
+  finite and positive.
+* ``W = q * scale``; post-load targets ``cuda-fp8`` / ``rocm-fp8`` (vLLM's
+  ``process_weights_after_loading``, see :func:`apply_target`); online quantization per rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import ConfigError
+from ..layout.experts import from_linears
+from ..layout.parallel import Parallel
+from ..layout.quantized import FP8_DTYPES, Experts, Get, Linear, ParamDef
+from ..layout.scales import Blocked, ExpertBlocks, Slots
+from ..layout.sharding import Replicated, Sharding
+from .base import BaseScheme
+from .config import QuantConfig, ignore_list, int_field
+from .fp8_targets import experts_to_target, linear_to_target, quantize_dense
+from .kv import BASE_KV, CACHE_SCALES, OPTIONAL_KV
+
+STRATEGIES = ("tensor", "channel", "block")
+BLOCK_RULES = ("strict", "fp8", "none")
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Scheme(BaseScheme):
+    """FP8 weights: ``strategy`` tensor / channel / block (``block = (bn, bk)``), the scale named
+    ``scale_name``; ``static_input``: a static per-tensor input scale; ``online``: the checkpoint
+    holds dense weights, quantized while loading; ``block_rule``: the block-shape check
+    (:class:`~functional_load.layout.scales.Blocked`)."""
+
+    strategy: str = "tensor"
+    block: tuple[int, int] | None = None
+    static_input: bool = False
+    scale_name: str = "weight_scale"
+    scale_dtype: str = "float32"
+    online: bool = False
+    block_rule: str = "strict"
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(f"{self.format} weights with a {self.strategy!r} scale strategy are not supported; use one of {STRATEGIES}")
+        if self.strategy == "block":
+            block = self.block
+            if block is None or len(block) != 2 or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block):
+                raise ConfigError(f"block quantization needs a block size of 2 positive integers, got {block!r}; check config.json")
+        if self.block_rule not in BLOCK_RULES:
+            raise ConfigError(f"unknown block rule {self.block_rule!r}")
+
+    @property
+    def format(self) -> str:
+        return "fp8"
+
+    @property
+    def weight_dtype(self) -> str:
+        return "float8_e4m3fn"
+
+    def _stored(self) -> tuple[str, ...]:
+        return () if self.online else FP8_DTYPES if self.format == "fp8" else ("int8",)
+
+    def linear_params(self, linear: Linear, model_dtype: str) -> list[ParamDef]:
+        out, inp = linear.out_size, linear.in_size
+        params = [ParamDef("weight", (out, inp), linear.weight_split(), self.weight_dtype, stored=self._stored()), self._scale(linear)]
+        if self.static_input:
+            ids = linear.slot_ids()
+            params.append(ParamDef("input_scale", (len(ids),), Slots(ids), "float32", check="positive", role="input_scale"))
+        return params
+
+    def _scale(self, linear: Linear) -> ParamDef:
+        out, inp = linear.out_size, linear.in_size
+        sharding: Sharding
+        shape: tuple[int, ...]
+        if self.strategy == "tensor":
+            ids = linear.slot_ids()
+            shape, sharding = (len(ids),), Slots(ids)
+        elif self.strategy == "channel":
+            shape, sharding = (out, 1), linear.out_split(0)
+        else:
+            bn, bk = self.block  # type: ignore[misc]
+            shape = (-(-out // bn), -(-inp // bk))
+            if linear.column:
+                sharding = Blocked(linear.out_split(0), bn, self.block_rule)  # type: ignore[arg-type]
+            elif linear.row:
+                sharding = Blocked(linear.in_split(1, inp, "input columns"), bk, self.block_rule)  # type: ignore[arg-type]
+            else:
+                sharding = Replicated()
+        return ParamDef(self.scale_name, shape, sharding, self.scale_dtype, check="positive", role="scale")
+
+    def expert_params(self, experts: Experts, model_dtype: str) -> list[ParamDef]:
+        def fix(p: ParamDef, linear: Linear, down: bool) -> ParamDef:
+            if p.role == "scale" and self.strategy == "block":
+                assert self.block is not None
+                blocks = ExpertBlocks(experts.intermediate, experts.hidden, self.block, down=down, refine=self.block_rule == "fp8")
+                return p._replace(sharding=blocks)
+            return p
+
+        return from_linears(self, experts, model_dtype, fix)
+
+    def dequantize(self, get: Get, specs: Mapping[str, Any], parallel: Parallel, target: str = "checkpoint") -> Any:
+        import torch
+
+        weight = get("weight").float()
+        scale = get(self.scale_name).float()
+        if target != "checkpoint" and self.strategy in ("tensor", "channel"):
+            weight = weight.T  # kernel layouts hold [in, out]; a per-tensor scale is one scalar
+            if self.strategy == "tensor":
+                return weight * scale
+        if self.strategy == "channel":
+            return weight * scale.reshape(-1, 1)
+        pieces = specs["weight"].local_pieces(parallel)
+        if self.strategy == "tensor":  # one scale per fused segment (in order), over that segment's rows
+            per_row = torch.empty(weight.shape[0])
+            for k, (_, (start, stop)) in enumerate(pieces):
+                per_row[start:stop] = scale.reshape(-1)[k]
+            return weight * per_row[:, None]
+        bn, bk = self.block  # type: ignore[misc]  # block: each segment's scale blocks over its rows
+        rows, cols = weight.shape
+        weight_rows = dict(pieces)
+        scale_rows = torch.empty(rows, scale.shape[1])
+        for segment, (b0, b1) in specs[self.scale_name].local_pieces(parallel):
+            r0, r1 = weight_rows.get(segment, (0, rows))
+            scale_rows[r0:r1] = scale[b0:b1].repeat_interleave(bn, dim=0)[: r1 - r0]
+        return weight * scale_rows.repeat_interleave(bk, dim=1)[:, :cols]
+
+    def dequantize_experts(self, get: Get, stem: str, specs: Mapping[str, Any], parallel: Parallel) -> Any:
+        weight, scale = get(f"{stem}_weight").float(), get(f"{stem}_{self.scale_name}").float()
+        if self.strategy == "channel":
+            return weight * scale
+        if self.strategy == "block":
+            assert self.block is not None
+            experts, hidden = specs["w13_weight"].shape[1] // 2, specs["w13_weight"].shape[2]
+            grid = ExpertBlocks(experts, hidden, self.block, refine=self.block_rule == "fp8").grid(parallel.expert_tp)
+            return weight * _expand_blocks(scale, weight.shape, grid, halves=stem == "w13")
+        if stem == "w13" and scale.dim() == 2:  # a scale per expert and shard: w1's rows, then w3's
+            per_row = scale.repeat_interleave(weight.shape[1] // 2, dim=1)
+            return weight * per_row[:, :, None]
+        return weight * scale.reshape(-1, 1, 1)
+
+    def apply_target(self, target: str, module: str, tensors: dict[str, Any], specs: Mapping[str, Any], parallel: Parallel) -> None:
+        if "routed_experts.w13_weight" in specs:
+            experts_to_target(self, target, f"{module}.routed_experts.", tensors)
+        else:
+            widths = tuple(b - a for _, (a, b) in specs["weight"].local_pieces(parallel))
+            linear_to_target(self, target, module, tensors, widths)
+
+    def quantize(self, dense: Any, specs: Mapping[str, Any], parallel: Parallel) -> dict[str, Any]:
+        return quantize_dense(self, dense, specs, parallel)
+
+
+@dataclass(frozen=True, slots=True)
+class Int8Scheme(Fp8Scheme):
+    """INT8 weights with a per-channel or per-tensor scale (compressed-tensors W8A8 / W8A16)."""
+
+    @property
+    def format(self) -> str:
+        return "int8"
+
+    @property
+    def weight_dtype(self) -> str:
+        return "int8"
+
+
+def _expand_blocks(scale: Any, shape: tuple[int, ...], grid: tuple[int, int], halves: bool) -> Any:
+    """Block scales ``[E, rows, cols]`` over a weight ``[E, out, in]``: each scale covers a ``grid``
+    block; w13's scale rows are w1's blocks, then w3's, each half of the weight."""
+    import torch
+
+    rn, rk = grid
+    _, out, inp = shape
+    parts = scale.chunk(2, dim=1) if halves else (scale,)
+    rows = out // len(parts)
+    expanded = torch.cat([p.repeat_interleave(rn, dim=1)[:, :rows] for p in parts], dim=1)
+    return expanded.repeat_interleave(rk, dim=2)[:, :, :inp]
+
+
+def parse_fp8(qc: Mapping[str, Any]) -> QuantConfig:
+    """vLLM's ``fp8`` method: per-tensor (``activation_scheme`` static or dynamic) or, with
+    ``weight_block_size``, DeepSeek's block format (``weight_scale_inv``, dynamic activations)."""
+    if qc.get("weight_scale_semantics", "") == "inverse" or str(qc.get("checkpoint_format", "")).startswith("float8"):
+        raise ConfigError(
+            "config.json: this FP8 checkpoint (GPTQModel format, weight_scale_semantics='inverse') stores the reciprocal "
+            "of DeepSeek's weight_scale_inv; loading it as vLLM fp8 would silently scale every weight wrongly. "
+            "Re-export it in the DeepSeek / compressed-tensors layout"
+        )
+    activation = str(qc.get("activation_scheme", "dynamic")).lower()
+    if activation not in ("static", "dynamic"):
+        raise ConfigError(f"config.json: Unsupported activation scheme {activation!r} (use 'static' or 'dynamic')")
+    block = qc.get("weight_block_size")
+    if block is not None:
+        if len(block) != 2:
+            raise ConfigError(
+                f"config.json: The quantization block size of weight must have 2 dimensions, but got {len(block)} dimensions"
+            )
+        if activation != "dynamic":
+            raise ConfigError(
+                f"config.json: The block-wise quantization only supports dynamic activation scheme for now, but got "
+                f"{activation} activation scheme."
+            )
+        # vLLM keeps block scales float32, e8m0 (scale_fmt "ue8m0") ones included: powers of two, cast exactly.
+        default = Fp8Scheme(
+            "block", (int_field(block[0], "weight_block_size[0]"), int_field(block[1], "weight_block_size[1]")),
+            scale_name="weight_scale_inv", block_rule="fp8",
+        )
+    else:
+        default = Fp8Scheme("tensor", static_input=activation == "static")
+    return QuantConfig("fp8", default, ignore_list(qc), kv_params=BASE_KV, mapping=(CACHE_SCALES,), optional=OPTIONAL_KV)
+
+
+ONLINE_METHODS = ("fp8", "fp8_block")
+
+
+def online_quant_config(method: str, config: Mapping[str, Any], stored: bool = False) -> QuantConfig:
+    """Quantize an unquantized checkpoint while loading: ``"fp8"`` (per-tensor scale
+    ``amax / 448`` per rank-local weight) or ``"fp8_block"`` (128 x 128 blocks). ``stored``: the
+    weights were quantized so when saved (a pre-sharded save); they and their scales are read."""
+    if method not in ONLINE_METHODS:
+        raise ConfigError(f"quantization={method!r} is not supported; use one of {ONLINE_METHODS}")
+    if config.get("quantization_config") is not None:
+        existing = config["quantization_config"].get("quant_method")
+        raise ConfigError(
+            f"quantization={method!r} asks to quantize while loading, but the checkpoint is already quantized "
+            f"({existing!r}); drop the quantization option to load it as stored"
+        )
+    if method == "fp8":
+        scheme = Fp8Scheme("tensor", online=not stored)
+    else:
+        scheme = Fp8Scheme("block", (128, 128), scale_name="weight_scale_inv", online=not stored, block_rule="none")
+    return QuantConfig(f"online-{method}", scheme, kv_params=BASE_KV, mapping=(CACHE_SCALES,), optional=OPTIONAL_KV)

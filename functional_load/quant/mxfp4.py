@@ -1,0 +1,69 @@
+"""MXFP4: OCP microscaling FP4, 32 e2m1 values per block with one e8m0 (power of two) scale.
+
+gpt-oss's ``quant_method: "mxfp4"`` (vLLM ``Mxfp4Config``) quantizes fused MoE experts only:
+``_blocks [E, 2I, H/32, 16]`` (gate/up rows interleaved) become ``w13_weight [E, 2I, H/2]``
+uint8, ``_scales`` ``[E, 2I, H/32]`` uint8 e8m0; the down projection likewise along its input.
+The intermediate splits in whole 32-value blocks, ``ceil(blocks / tp)`` per rank (the last ranks
+shorter, zero-padded: vLLM's CPU/emulation layout), and so does w13's bias. ``W = fp4 * 2^(e-127)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import ConfigError
+from ..layout.experts import biases, w2_split, w13_split
+from ..layout.parallel import Parallel
+from ..layout.quantized import Experts, Get, Linear, ParamDef
+from ..layout.sharding import Grouped, Sharding
+from .base import BaseScheme
+from .codes import e8m0_values, fp4_values
+from .config import QuantConfig, ignore_list
+
+BLOCK = 32  # values per MXFP4 block: one e8m0 scale, 16 bytes of packed 4-bit values
+
+
+@dataclass(frozen=True, slots=True)
+class Mxfp4ExpertsScheme(BaseScheme):
+    """gpt-oss's MXFP4 experts (its checkpoint's ``_blocks`` / ``_scales``)."""
+
+    @property
+    def format(self) -> str:
+        return "mxfp4"
+
+    def linear_params(self, linear: Linear, model_dtype: str) -> list[ParamDef]:
+        raise ConfigError("the mxfp4 method quantizes MoE experts only; linear layers are unquantized")
+
+    def expert_params(self, experts: Experts, model_dtype: str) -> list[ParamDef]:
+        hidden, inter = experts.hidden, experts.intermediate
+        if hidden % BLOCK or inter % BLOCK:
+            raise ConfigError(f"MXFP4 experts need hidden ({hidden}) and intermediate ({inter}) sizes in whole blocks of {BLOCK}")
+        half = BLOCK // 2
+        w13: Sharding = w13_split(inter, True, BLOCK, uneven=True)
+        params = [
+            ParamDef("w13_weight", (2 * inter, hidden // 2), Grouped(w13, half), "uint8"),
+            ParamDef("w13_weight_scale", (2 * inter, hidden // BLOCK), w13, "uint8", check="e8m0", role="scale"),
+            ParamDef("w2_weight", (hidden, inter // 2), Grouped(w2_split(inter // 2, 1, half, uneven=True), half), "uint8"),
+            ParamDef("w2_weight_scale", (hidden, inter // BLOCK), w2_split(inter // BLOCK, 1, uneven=True), "uint8", check="e8m0",
+                     role="scale"),
+        ]
+        if experts.bias != "none":
+            params += biases(experts, model_dtype, experts.bias, w13_split(inter, experts.interleaved, BLOCK, uneven=True))
+        return params
+
+    def dequantize(self, get: Get, specs: Mapping[str, Any], parallel: Parallel, target: str = "checkpoint") -> Any:
+        raise ConfigError("the mxfp4 method quantizes MoE experts only; dequantize the experts module")
+
+    def dequantize_experts(self, get: Get, stem: str, specs: Mapping[str, Any], parallel: Parallel) -> Any:
+        return mx_values(fp4_values(get(f"{stem}_weight")), get(f"{stem}_weight_scale"))
+
+
+def mx_values(values: Any, scales: Any) -> Any:
+    """Values ``[..., n]`` times their e8m0 block scales ``[..., n / 32]``."""
+    return values * e8m0_values(scales).repeat_interleave(BLOCK, dim=-1)[..., : values.shape[-1]]
+
+
+def parse_gpt_oss_mxfp4(qc: Mapping[str, Any]) -> QuantConfig:
+    return QuantConfig("mxfp4", Mxfp4ExpertsScheme(), ignore_list(qc), kinds=("experts",))
