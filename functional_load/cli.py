@@ -23,6 +23,7 @@ from .io import ReadOptions
 from .model.config import model_dtype, read_config
 from .model.spec import spec_for_config
 from .options import LoadOptions
+from .output.save import save_safetensors
 from .verify import verify_ranks
 
 
@@ -68,8 +69,6 @@ def _plan(args: argparse.Namespace) -> None:
 
 
 def _load(args: argparse.Namespace) -> None:
-    from safetensors.torch import save_file
-
     start = time.perf_counter()
     state = load(args.model_dir, tp_size=args.tp, rank=args.rank, options=_options(args).replace(progress=True))
     seconds = time.perf_counter() - start
@@ -79,7 +78,7 @@ def _load(args: argparse.Namespace) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"model-rank-{args.rank}-of-{args.tp}.safetensors"
-    save_file(tensors, str(path), metadata={"tp_size": str(args.tp), "rank": str(args.rank), "aliases": json.dumps(aliases)})
+    save_safetensors(tensors, path, {"tp_size": str(args.tp), "rank": str(args.rank), "aliases": json.dumps(aliases)})
     size = sum(t.numel() * t.element_size() for t in tensors.values())
     print(f"rank {args.rank}/{args.tp}: {len(state)} tensors, {size:,} bytes in {seconds:.3f} s -> {path}")
 

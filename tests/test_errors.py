@@ -212,6 +212,8 @@ def test_shape_mismatch_names_tensor_file_and_shapes(llama_dir, tmp_path):
     assert "[24, 64]" in message
     assert "[16, 64]" in message  # KV_HEADS * HEAD_DIM rows
     assert "model.layers.0.self_attn.qkv_proj.weight" in message
+    # the one wrong tensor is the one problem: its parameter is not reported again as partly filled
+    assert len(err.problems) == 1, err.problems
 
 
 def test_all_problems_are_reported_at_once(llama_dir, tmp_path):

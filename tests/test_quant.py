@@ -150,10 +150,14 @@ def quant_format(name: str) -> dict[str, Any]:
     probe = f"{L0}.mlp.down_proj"
     info: dict[str, Any] = {"method": method}
     if method == "compressed-tensors":
-        weights = next(iter(qc["config_groups"].values()))["weights"]
+        group = next(iter(qc["config_groups"].values()))
+        weights = group["weights"]
         info["group"] = weights.get("group_size")
         info["block"] = weights.get("block_structure")
-        if f"{probe}.weight_packed" in t:
+        microscaling = {"nvfp4-pack-quantized": "nvfp4", "mxfp4-pack-quantized": "mxfp4", "mxfp8-quantized": "mxfp8"}
+        if (group.get("format") or qc.get("format")) in microscaling:
+            info["fmt"] = microscaling[group.get("format") or qc["format"]]
+        elif f"{probe}.weight_packed" in t:
             info["fmt"] = "pack"
         elif weights["strategy"] == "block":
             info["fmt"] = "block"
@@ -162,6 +166,14 @@ def quant_format(name: str) -> dict[str, Any]:
         return info
     if method in ("gptq", "awq"):
         info.update(fmt=method, group=qc["group_size"], act_order=bool(qc.get("desc_act", False)))
+        return info
+    if method == "modelopt":  # quant_algo FP8: per-tensor weights and static inputs; NVFP4; MXFP8
+        algo = qc["quant_algo"].upper()
+        info["fmt"] = {"FP8": "tensor", "NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4", "MXFP8": "mxfp8"}.get(algo, "refused")
+        info["group"] = 16 if info["fmt"] == "nvfp4" else 32
+        return info
+    if method == "quark" and qc["global_quant_config"]["weight"]["dtype"] == "fp4":
+        info.update(fmt="mxfp4", group=32)
         return info
     # fp8 (transformers / vLLM per-tensor) and quark
     if f"{probe}.weight_scale_inv" in t:
@@ -195,6 +207,14 @@ def rules(name: str, suffix: str) -> tuple[Rule, Rule]:
         return ("block", 0, bn), ("block", 1, bk)
     if suffix == "weight_shape":  # compressed-tensors: vLLM keeps the last part's [out, in]
         return ("last",), ("full",)
+    if fmt in ("nvfp4", "mxfp4", "mxfp8"):  # VLLM_2026.md: weights and group scales split, per-tensor scales slots
+        pack = 1 if fmt == "mxfp8" else 2
+        group = 16 if fmt == "nvfp4" else 32
+        if suffix in ("weight", "weight_packed"):
+            return ("div", 0, 1), ("div", 1, pack)
+        if suffix == "weight_scale":
+            return ("div", 0, 1), ("div", 1, group)
+        return ("slot",), ("slot",)  # weight_global_scale, input_global_scale, weight_scale_2, input_scale
     if fmt == "pack":
         return {
             "weight_packed": (("div", 0, 1), ("div", 1, 8)),
@@ -248,8 +268,11 @@ def model_dtype(name: str) -> torch.dtype:
 def expected_dtype(name: str, suffix: str, source: torch.dtype) -> torch.dtype:
     """FP8 / int8 scales are float32 parameters (e8m0 block scales too: vLLM casts them); the
     int formats' group scales take the model dtype; packs stay int32, ``weight_shape`` int64."""
-    if quant_format(name)["fmt"] in ("tensor", "channel", "block") and suffix != "weight":
+    fmt = quant_format(name)["fmt"]
+    if fmt in ("tensor", "channel", "block") and suffix != "weight":
         return torch.float32
+    if fmt in ("nvfp4", "mxfp4", "mxfp8"):  # as stored: uint8 / e4m3 values and scales, float32 per-tensor scales
+        return source
     if suffix in ("scales", "weight_scale") and source.is_floating_point:
         return model_dtype(name)
     return source
@@ -300,6 +323,10 @@ def tp_problem(name: str, tp: int) -> str | None:
 @pytest.mark.parametrize("tp", TPS)
 @pytest.mark.parametrize("name", FIXTURES)
 def test_fixture_loads_raw_slices_bit_exact_and_dequantizes(name: str, tp: int) -> None:
+    if quant_format(name)["fmt"] == "refused":  # ModelOpt's mxfp4 export: vLLM 0.32 refuses its config
+        with pytest.raises(ConfigError, match="ModelOpt quant_algo 'mxfp4' is not supported: vLLM 0.32 supports only"):
+            fl.load(QUANT / name, tp_size=tp, rank=0, progress=False)
+        return
     problem = tp_problem(name, tp)
     if problem is not None:
         with pytest.raises(ShardingError, match=problem):
@@ -380,17 +407,21 @@ def reassemble(name: str, module: str, deq: list[torch.Tensor]) -> dict[str, tor
 
 @pytest.mark.parametrize("name", FIXTURES)
 def test_tp_that_does_not_divide_says_why(name: str) -> None:
-    """tp=8 over 4 attention heads: a ShardingError that names the heads and the tp."""
-    assert tp_problem(name, 8) is not None
+    """tp = twice the attention heads (8 over 4, 16 over 8): a ShardingError that names the heads and the tp."""
+    if quant_format(name)["fmt"] == "refused":
+        return  # refused at its config (test_fixture_loads_raw_slices_bit_exact_and_dequantizes)
+    heads = geometry(name)["heads"]
+    tp = 2 * heads
+    assert tp_problem(name, tp) is not None
     with pytest.raises(ShardingError) as info:
-        fl.load(QUANT / name, tp_size=8, rank=0, progress=False)
-    assert "4 attention heads" in str(info.value) and "tp=8" in str(info.value)
+        fl.load(QUANT / name, tp_size=tp, rank=0, progress=False)
+    assert f"{heads} attention heads" in str(info.value) and f"tp={tp}" in str(info.value)
 
 
 def test_reference_fixtures_cover_every_format() -> None:
     """The matrix above is only as good as the fixtures it runs on."""
     formats = {quant_format(n)["fmt"] for n in FIXTURES}
-    assert {"tensor", "channel", "block", "pack", "gptq", "awq"} <= formats, formats
+    assert {"tensor", "channel", "block", "pack", "gptq", "awq", "nvfp4", "mxfp4", "mxfp8", "refused"} <= formats, formats
 
 
 # --- 2. KV-cache scales ----------------------------------------------------------------------
@@ -413,6 +444,7 @@ KV_PARAMS: dict[str, dict[str, tuple[tuple[int, ...], torch.dtype | None, float]
     },
     "fp8": _BASE_KV,
     "quark": _BASE_KV,
+    "modelopt": _BASE_KV,  # VLLM_2026.md: attn.{q,k,v}_scale and prob_scale, never written without a KV-cache scheme
     "gptq": {},
     "awq": {},
 }
@@ -430,7 +462,7 @@ def _kv(state: fl.LoadedState, name: str) -> dict[str, torch.Tensor]:
     return have
 
 
-@pytest.mark.parametrize("name", [n for n in FIXTURES if tp_problem(n, 1) is None])
+@pytest.mark.parametrize("name", [n for n in FIXTURES if tp_problem(n, 1) is None and quant_format(n)["fmt"] != "refused"])
 def test_kv_cache_scales(name: str) -> None:
     manifest = KV_PARAMS[quant_format(name)["method"]]
     for tp in [tp for tp in (1, 2) if tp_problem(name, tp) is None]:

@@ -34,6 +34,10 @@ MOE = (
     "llmc_qwen3moe_fp8", "llmc_qwen3moe_fp8_block", "llmc_qwen3moe_w4a16_experts", "llmc_mixtral_fp8_block",
     "llmc_dsv3_fp8_block", "llmc_dsv3_w4a16_experts", "hf_fp8_dsv3", "hf_fp8_dsv3_mtp", "hf_fp8_qwen3moe",
     "ar_mixtral_gptq", "ar_mixtral_awq", "gptoss_mxfp4",
+    # the 2026 formats (llm-compressor, ModelOpt, Quark): FP8 per-channel experts, NVFP4, MXFP4, MXFP8
+    "llmc_qwen3moe_fp8_dynamic", "llmc_qwen3moe_nvfp4", "llmc_qwen3moe_nvfp4a16", "llmc_qwen3moe_mxfp4",
+    "llmc_qwen3moe_mxfp4a16", "llmc_qwen3moe_mxfp8", "llmc_qwen3moe_mxfp8a16", "modelopt_qwen3moe_fp8",
+    "modelopt_qwen3moe_nvfp4", "modelopt_qwen3moe_w4a16_nvfp4", "modelopt_qwen3moe_mxfp8", "quark_qwen3moe_mxfp4",
 )
 CASES = [(name, tp, ep) for name in MOE for tp in (1, 2, 4) for ep in (False, True) if tp > 1 or not ep]
 
@@ -251,6 +255,11 @@ def test_unequal_w1_w3_input_scales_are_refused(tmp_path: Path) -> None:
     _edit(model, "model.layers.0.mlp.experts.3.up_proj.input_scale", lambda t: t * 2)
     with pytest.raises(CheckpointError, match=r"experts\.3\.gate_proj\.input_scale.*experts\.3\.up_proj\.input_scale"):
         fl.load(model, tp_size=1, rank=0)
+
+
+def test_modelopt_mxfp4_is_refused_as_vllm_refuses_it() -> None:
+    with pytest.raises(ConfigError, match="ModelOpt quant_algo 'mxfp4' is not supported: vLLM 0.32 supports only"):
+        fl.plan(QUANT / "modelopt_qwen3moe_mxfp4", tp_size=2, rank=0)
 
 
 def test_online_quantization_of_experts_is_refused() -> None:

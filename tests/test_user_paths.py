@@ -236,3 +236,18 @@ def test_library_calls_are_quiet(llama, capfd, monkeypatch):
     monkeypatch.setenv("TQDM_DISABLE", "1")
     fl.load(llama, tp_size=2, progress=True)
     assert capfd.readouterr().err == ""
+
+
+def test_written_weight_files_follow_the_umask(llama, tmp_path):
+    """save_sharded and ``load --out`` write files a plain open would: 0o666 less the umask
+    (safetensors makes its files owner-only; config.json already followed the umask)."""
+    old = os.umask(0o022)
+    try:
+        saved = fl.save_sharded(llama, tmp_path / "save", tp_size=2)
+        assert cli_main(["load", str(llama), "--tp", "2", "--rank", "1", "--out", str(tmp_path / "rank")]) == 0
+    finally:
+        os.umask(old)
+    files = sorted(saved.glob("*.safetensors")) + sorted((tmp_path / "rank").glob("*.safetensors")) + [saved / "config.json"]
+    assert len(files) == 4
+    for path in files:
+        assert path.stat().st_mode & 0o777 == 0o644, (path, oct(path.stat().st_mode & 0o777))

@@ -97,8 +97,8 @@ def from_linears(scheme: Scheme, shape: Experts, dtype: str, fix: Fix | None = N
         for p in scheme.linear_params(linear, dtype):
             if p.role == "input_scale":  # one per expert: w1's and w3's must agree
                 p = p._replace(shape=(), sharding=Shared(linear.slot_ids()))
-            elif p.role == "scale" and isinstance(p.sharding, Slots) and linear.row:
-                p = p._replace(shape=(), sharding=Replicated())
+            elif p.role in ("scale", "global_scale", "input_global_scale") and isinstance(p.sharding, Slots) and linear.row:
+                p = p._replace(shape=(), sharding=Replicated())  # per tensor: one per expert, [E, 2] for w13
             elif p.role == "shape":  # vLLM keeps the last part it loads, in the model dtype
                 ids = linear.slot_ids()
                 p = p._replace(sharding=Pick(ids, ids[-1]), dtype=dtype)

@@ -51,13 +51,31 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def follow_umask(path: Path) -> None:
+    """Give a file the permissions a plain ``open`` would (``0o666`` less the umask): safetensors
+    creates its files readable by their owner only."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
+def save_safetensors(tensors: dict[str, Any], path: Path, metadata: dict[str, str]) -> None:
+    """``safetensors`` ``save_file`` with the umask's permissions, its I/O failures (disk full,
+    ...) raised as the ``OSError`` they are."""
+    from safetensors.torch import save_file
+
+    _save_file(save_file, tensors, path, metadata)
+
+
 def _save_file(save_file: Any, tensors: dict[str, Any], path: Path, metadata: dict[str, str]) -> None:
     """``safetensors`` ``save_file``, whose I/O failures (disk full, ...) arrive as its own
-    ``SafetensorError``: raised again as the ``OSError`` they are, so a full disk is a LoadError."""
+    ``SafetensorError``: raised again as the ``OSError`` they are, so a full disk is a LoadError.
+    The file gets the umask's permissions (safetensors makes it owner-only)."""
     from safetensors import SafetensorError
 
     try:
         save_file(tensors, str(path), metadata=metadata)
+        follow_umask(path)
     except SafetensorError as exc:
         found = re.search(r"I/O error: .*\(os error (\d+)\)", str(exc))
         if found is None:

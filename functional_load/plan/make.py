@@ -45,6 +45,7 @@ def _make_plan(layout: Layout, checkpoint: Checkpoint) -> Plan:
     filled: dict[tuple[str, Any], str] = {}  # (parameter, slot) -> checkpoint tensor
     shared: set[tuple[str, Box]] = set()  # (parameter, box) already filled by a copy
     unplaced: list[tuple[str, TensorInfo, str]] = []  # checkpoint tensors with no destination
+    failed: set[str] = set()  # parameters a tensor could not fill (already a problem)
     used: dict[str, TensorInfo] = {}
     parallel = layout.parallel
     router = _Router(layout, checkpoint.renames)
@@ -62,6 +63,7 @@ def _make_plan(layout: Layout, checkpoint: Checkpoint) -> Plan:
                 part = parts.get(spec, shard_id, expert, info)
             except ShardingError as exc:
                 problems.append(f"checkpoint tensor {name!r} in {info.file.name}: {spec.name}: {exc}")
+                failed.add(spec.name)
                 continue
             if part is None:
                 if expert not in not_held:
@@ -73,6 +75,7 @@ def _make_plan(layout: Layout, checkpoint: Checkpoint) -> Plan:
             problem = _mismatch(name, info, spec, part, shard_id, layout)
             if problem:
                 problems.append(problem)
+                failed.add(spec.name)  # its parameter is reported once, not again as incomplete
                 continue
             # a part that is all zeros (a vocabulary shard of padding, gpt-oss w2_bias off the first
             # rank) takes nothing from the tensor but completes the parameter
@@ -96,7 +99,7 @@ def _make_plan(layout: Layout, checkpoint: Checkpoint) -> Plan:
             used[name] = info
 
     problems[:0] = _unplaced(unplaced, layout)
-    fills = _completeness(layout, checkpoint, filled, copies, zeros, problems)
+    fills = _completeness(layout, checkpoint, filled, copies, zeros, problems, failed)
     if problems:
         raise PlanError(problems)
     return Plan(
@@ -240,12 +243,15 @@ def _mismatch(name: str, info: TensorInfo, spec: ParamSpec, part: Part, shard_id
 
 def _completeness(
     layout: Layout, checkpoint: Checkpoint, filled: dict[tuple[str, Any], str],
-    copies: dict[str, list[Copy]], zeros: dict[str, list[Box]], problems: list[str],
+    copies: dict[str, list[Copy]], zeros: dict[str, list[Box]], problems: list[str], failed: set[str],
 ) -> dict[str, float]:
-    """Every parameter covered exactly once, or defaulted; returns the defaults to fill."""
+    """Every parameter covered exactly once, or defaulted; returns the defaults to fill. A
+    parameter one of whose tensors was refused (``failed``) is not reported again as incomplete."""
     missing, fills = [], {}
     parallel = layout.parallel
     for spec in layout.params.values():
+        if spec.name in failed:
+            continue
         wanted = [None] if checkpoint.rank_local else spec.sharding.slots(parallel)
         absent = [slot for slot in wanted if (spec.name, slot) not in filled]
         if spec.derived or not wanted:  # nothing to fill (an EP rank past the experts holds none)

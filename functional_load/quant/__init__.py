@@ -19,6 +19,7 @@ from .compressed_tensors import parse_compressed_tensors
 from .config import QuantConfig
 from .fp8 import online_quant_config, parse_fp8
 from .gptq import parse_gptq
+from .modelopt import parse_modelopt
 from .mxfp4 import parse_gpt_oss_mxfp4
 from .quark import parse_quark
 
@@ -39,6 +40,7 @@ PARSERS: dict[str, Callable[[Mapping[str, Any]], QuantConfig]] = {
     "auto-round": _auto_round,
     "quark": parse_quark,
     "mxfp4": parse_gpt_oss_mxfp4,
+    "modelopt": parse_modelopt,
 }
 
 

@@ -9,7 +9,7 @@ the group's ``format`` (or the config's) says how it is stored: ``float-quantize
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import ConfigError
@@ -17,15 +17,17 @@ from ..layout.quantized import Scheme
 from .config import QuantConfig, group_size_field, ignore_list, int_field, names
 from .fp8 import Fp8Scheme, Int8Scheme
 from .kv import CACHE_SCALES, COMPRESSED_TENSORS_KV, OPTIONAL_KV
+from .mxfp4 import compressed_tensors_mxfp4
+from .mxfp8 import compressed_tensors_mxfp8
+from .nvfp4 import compressed_tensors_nvfp4
 from .pack import PackScheme
 
-FormatParser = Any  # (weights, activations) -> Scheme
-_EXTRA: dict[str, FormatParser] = {}  # format name -> parser, registered by the 2026 format modules
-
-
-def register(fmt: str, parser: FormatParser) -> None:
-    """Let a format module read the config groups of its compressed-tensors format."""
-    _EXTRA[fmt] = parser
+# formats whose module reads the group's weights and input_activations
+MICROSCALING: dict[str, Callable[[Mapping[str, Any], Mapping[str, Any]], Scheme]] = {
+    "nvfp4-pack-quantized": compressed_tensors_nvfp4,
+    "mxfp4-pack-quantized": compressed_tensors_mxfp4,
+    "mxfp8-quantized": compressed_tensors_mxfp8,
+}
 
 
 def group_scheme(group: Mapping[str, Any], fmt: str) -> Scheme:
@@ -35,8 +37,8 @@ def group_scheme(group: Mapping[str, Any], fmt: str) -> Scheme:
     kind = weights.get("type", "int")
     strategy = str(weights.get("strategy", "tensor")).lower()
     static_input = not acts.get("dynamic", True) and acts.get("strategy", "tensor") == "tensor"
-    if fmt in _EXTRA:
-        return _EXTRA[fmt](weights, acts)
+    if fmt in MICROSCALING:
+        return MICROSCALING[fmt](weights, acts)
     if kind == "float":
         if bits != 8:
             raise ConfigError(f"compressed-tensors float weights of {bits} bits in format {fmt!r} are not supported")

@@ -1,5 +1,11 @@
 """MXFP4: OCP microscaling FP4, 32 e2m1 values per block with one e8m0 (power of two) scale.
 
+Linears and per-expert tensors (compressed-tensors ``mxfp4-pack-quantized``: ``weight_packed``;
+AMD Quark ``fp4`` per-group e8m0: ``weight``): the weight ``[out, in / 2]`` uint8 (two codes a
+byte, low nibble first) and ``weight_scale [out, in / 32]`` uint8 e8m0 bytes, split with the
+output rows or in whole groups along the input (vLLM ``CompressedTensorsW4A4Mxfp4`` /
+``QuarkOCP_MX``); fused experts ``w13_*`` / ``w2_*`` of the same. ``W = fp4 * 2^(e - 127)``.
+
 gpt-oss's ``quant_method: "mxfp4"`` (vLLM ``Mxfp4Config``) quantizes fused MoE experts only:
 ``_blocks [E, 2I, H/32, 16]`` (gate/up rows interleaved) become ``w13_weight [E, 2I, H/2]``
 uint8, ``_scales`` ``[E, 2I, H/32]`` uint8 e8m0; the down projection likewise along its input.
@@ -21,8 +27,46 @@ from ..layout.sharding import Grouped, Sharding
 from .base import BaseScheme
 from .codes import e8m0_values, fp4_values
 from .config import QuantConfig, ignore_list
+from .microscaling import expand_groups, grouped_params
 
 BLOCK = 32  # values per MXFP4 block: one e8m0 scale, 16 bytes of packed 4-bit values
+
+
+@dataclass(frozen=True, slots=True)
+class Mxfp4Scheme(BaseScheme):
+    """MXFP4 linears and experts; ``weight``: the checkpoint's name of the packed weight."""
+
+    weight: str = "weight_packed"
+
+    @property
+    def format(self) -> str:
+        return "mxfp4"
+
+    def linear_params(self, linear: Linear, model_dtype: str) -> list[ParamDef]:
+        return grouped_params(linear, self.weight, "uint8", ("uint8",), 2, BLOCK, "uint8", "e8m0")
+
+    def dequantize(self, get: Get, specs: Mapping[str, Any], parallel: Parallel, target: str = "checkpoint") -> Any:
+        return mx_values(fp4_values(get(self.weight)), get("weight_scale"))
+
+    def dequantize_experts(self, get: Get, stem: str, specs: Mapping[str, Any], parallel: Parallel) -> Any:
+        return mx_values(fp4_values(get(f"{stem}_{self.weight}")), get(f"{stem}_weight_scale"))
+
+
+def compressed_tensors_mxfp4(weights: Mapping[str, Any], acts: Mapping[str, Any]) -> Mxfp4Scheme:
+    _check_group(weights.get("group_size"), "compressed-tensors MXFP4")
+    return Mxfp4Scheme("weight_packed")
+
+
+def quark_mxfp4(weight: Mapping[str, Any], inputs: Mapping[str, Any]) -> Mxfp4Scheme:
+    if weight.get("qscheme") != "per_group" or weight.get("scale_format") != "e8m0":
+        raise ConfigError(f"config.json: Quark fp4 weights need per_group e8m0 scales (MXFP4), got {dict(weight)}")
+    _check_group(weight.get("group_size"), "Quark MXFP4")
+    return Mxfp4Scheme("weight")
+
+
+def _check_group(group: Any, what: str) -> None:
+    if group not in (None, BLOCK):
+        raise ConfigError(f"config.json: {what} has group_size {group!r}; the OCP MX format has {BLOCK}-value groups")
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +106,7 @@ class Mxfp4ExpertsScheme(BaseScheme):
 
 def mx_values(values: Any, scales: Any) -> Any:
     """Values ``[..., n]`` times their e8m0 block scales ``[..., n / 32]``."""
-    return values * e8m0_values(scales).repeat_interleave(BLOCK, dim=-1)[..., : values.shape[-1]]
+    return expand_groups(values, e8m0_values(scales), BLOCK)
 
 
 def parse_gpt_oss_mxfp4(qc: Mapping[str, Any]) -> QuantConfig:

@@ -2,7 +2,7 @@
 
 FP8 (e4m3) weights per tensor or per channel, optional static per-tensor inputs, KV-cache
 ``output_scale``\\ s; per-layer entries may only add output (KV-cache) quantization to the global
-scheme. MXFP4 configs are read by :mod:`.mxfp4` when it registers them.
+scheme. MXFP4 (``fp4`` weights with per-group e8m0 scales) is read by :mod:`.mxfp4`.
 """
 
 from __future__ import annotations
@@ -15,12 +15,10 @@ from ..layout.quantized import Scheme
 from .config import QuantConfig, ignore_list
 from .fp8 import Fp8Scheme
 from .kv import BASE_KV, CACHE_SCALES, OPTIONAL_KV
+from .mxfp4 import quark_mxfp4
 
-_EXTRA: dict[str, Callable[[Mapping[str, Any], Mapping[str, Any]], Scheme]] = {}  # weight dtype -> scheme parser
-
-
-def register(dtype: str, parser: Callable[[Mapping[str, Any], Mapping[str, Any]], Scheme]) -> None:
-    _EXTRA[dtype] = parser
+# weight dtype -> the format module that reads the global scheme's weight and input_tensors
+_EXTRA: dict[str, Callable[[Mapping[str, Any], Mapping[str, Any]], Scheme]] = {"fp4": quark_mxfp4}
 
 
 def parse_quark(qc: Mapping[str, Any]) -> QuantConfig:

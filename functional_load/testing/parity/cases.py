@@ -123,6 +123,11 @@ _VLLM_CANNOT = {
     "gptq_v2": "vLLM supports symmetric GPTQ only",
     "hf_fp8_block": "vLLM crashes when a rank's k/v rows share a scale block (tp 2: head_dim 64 < block 128)",
     "hf_fp8_block_ue8m0": "vLLM crashes when a rank's k/v rows share a scale block (tp 2: head_dim 64 < block 128)",
+    # vLLM 0.32's CPU build cannot build these layers even with its Emulation kernels (VLLM_2026.md)
+    "llmc_nvfp4a16": "vLLM forces the Marlin NVFP4 kernel for weight-only NVFP4 (Marlin FP4 not available on CPU)",
+    "modelopt_w4a16_nvfp4": "vLLM forces the Marlin NVFP4 kernel for weight-only NVFP4 (Marlin FP4 not available on CPU)",
+    **{name: "vLLM has no NVFP4 MoE backend on CPU (its emulation experts are Triton kernels)" for name in (
+        "llmc_qwen3moe_nvfp4", "llmc_qwen3moe_nvfp4a16", "modelopt_qwen3moe_nvfp4", "modelopt_qwen3moe_w4a16_nvfp4")},
 }
 
 # Loaded in the model dtype the config gives and in another (scales follow the model dtype).
@@ -203,6 +208,9 @@ CASES: tuple[Case, ...] = (
             "awq_gemm", "awq_gemm_sym", "ct_fp8_block", "ct_fp8_channel", "ct_fp8_tensor", "ct_w4a16_asym",
             "ct_w4a16_sym", "ct_w8a8", "gptq_actorder", "gptq_v1", "gptq_v1_zero0", "gptq_v2", "hf_fp8_block",
             "hf_fp8_block_ue8m0", "llmc_fp8_kv", "quark_fp8", "quark_native_kv",
+            # the 2026 formats (ModelOpt's mxfp4: refused by both, vLLM 0.32's ModelOpt has no MXFP4)
+            "llmc_nvfp4", "llmc_nvfp4a16", "llmc_mxfp4", "llmc_mxfp4a16", "llmc_mxfp8", "llmc_mxfp8a16", "modelopt_fp8",
+            "modelopt_nvfp4", "modelopt_w4a16_nvfp4", "modelopt_mxfp8", "modelopt_mxfp4", "quark_mxfp4",
         )
     ),
     # Quantized MoE checkpoints: every expert scheme, with and without expert parallelism.
@@ -213,6 +221,10 @@ CASES: tuple[Case, ...] = (
             "llmc_qwen3moe_fp8", "llmc_qwen3moe_fp8_block", "llmc_qwen3moe_w4a16_experts", "llmc_mixtral_fp8_block",
             "llmc_dsv3_fp8_block", "llmc_dsv3_w4a16_experts", "hf_fp8_dsv3", "hf_fp8_dsv3_mtp", "hf_fp8_qwen3moe",
             "ar_mixtral_gptq", "ar_mixtral_awq",
+            "llmc_qwen3moe_fp8_dynamic", "llmc_qwen3moe_nvfp4", "llmc_qwen3moe_nvfp4a16", "llmc_qwen3moe_mxfp4",
+            "llmc_qwen3moe_mxfp4a16", "llmc_qwen3moe_mxfp8", "llmc_qwen3moe_mxfp8a16", "modelopt_qwen3moe_fp8",
+            "modelopt_qwen3moe_nvfp4", "modelopt_qwen3moe_w4a16_nvfp4", "modelopt_qwen3moe_mxfp8", "modelopt_qwen3moe_mxfp4",
+            "quark_qwen3moe_mxfp4",
         )
     ),
     Case("quant-gptoss_mxfp4", fixture="gptoss_mxfp4", tps=(1, 2, 4), options=(Options(), Options(True)),

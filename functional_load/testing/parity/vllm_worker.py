@@ -12,7 +12,9 @@ parallelism ``_EP`` gets the same proxy, for loaders that ask the EP group direc
 model as ``DefaultModelLoader`` does, fills every parameter with 0xFF bytes (NaN for floats, -1
 for integers, so elements vLLM never writes stand out), runs vLLM's own ``load_weights`` on
 vLLM's own safetensors iterator, and saves the rank's parameters. ``process_weights_after_loading``
-is not run: it converts to CPU kernel formats. A job with ``load_format="dummy"`` runs vLLM's
+is not run: it converts to CPU kernel formats. Kernels are made available where the CPU build
+has none (``_kernels_available``: FP8 block, int4 MoE, NVFP4 / MXFP8 / MXFP4 linears through
+vLLM's own Emulation kernels); no kernel runs, so the loaded layout is the scheme's. A job with ``load_format="dummy"`` runs vLLM's
 ``DummyModelLoader.load_weights`` instead, with the ROCm branch of its integer parameters (zeroed;
 elsewhere vLLM leaves their ``torch.empty`` bytes, which no loader can reproduce).
 
@@ -239,10 +241,26 @@ def _placements(model: Any) -> dict[str, Any]:
 
 def _kernels_available() -> None:
     """Let vLLM pick its CPU kernels for layers this CPU has none for (FP8 block layers need AMX
-    tiles; int4 MoE experts an Arm CPU or a GPU): only the layers' weights are created and loaded here,
-    no kernel ever runs, and the loaded layout does not depend on the kernel."""
+    tiles; int4 MoE experts an Arm CPU or a GPU; NVFP4, MXFP8 and MXFP4 linears have no CPU entry
+    in vLLM's kernel lists, whose Emulation kernels are plain torch and already the CUDA/ROCm
+    fallback; the MXFP4 one asks only that amd-quark be importable, for its forward): only the
+    layers' weights are created and loaded here, no kernel ever runs, and the loaded layout does
+    not depend on the kernel (the parameters are the quantization scheme's)."""
     import torch
     import vllm._custom_ops as ops
+    import vllm.model_executor.kernels.linear as kernels
+    import vllm.model_executor.kernels.linear.mxfp4.emulation as mxfp4_emulation
+    from vllm.platforms import PlatformEnum
+
+    for table, kernel in (
+        ("_POSSIBLE_NVFP4_KERNELS", kernels.EmulationNvFp4LinearKernel),
+        ("_POSSIBLE_MXFP8_KERNELS", kernels.EmulationMxfp8LinearKernel),
+        ("_POSSIBLE_MXFP4_KERNELS", kernels.EmulationMxfp4LinearKernel),
+    ):
+        entries = getattr(kernels, table).setdefault(PlatformEnum.CPU, [])
+        if kernel not in entries:
+            entries.append(kernel)
+    mxfp4_emulation.has_quark = lambda: True
     import vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe.compressed_tensors_moe_wna16 as ct_wna16
     from vllm.model_executor.layers.fused_moe.experts.cpu_int4_moe import CPUExpertsInt4
     from vllm.model_executor.layers.fused_moe.oracle.int_wna16 import WNA16MoEBackend
