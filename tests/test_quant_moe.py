@@ -258,7 +258,7 @@ def test_unequal_w1_w3_input_scales_are_refused(tmp_path: Path) -> None:
 
 
 def test_modelopt_mxfp4_is_refused_as_vllm_refuses_it() -> None:
-    with pytest.raises(ConfigError, match="ModelOpt quant_algo 'mxfp4' is not supported: vLLM 0.32 supports only"):
+    with pytest.raises(ConfigError, match=re.escape("ModelOpt quant_algo 'mxfp4' is not supported: vLLM 0.32 supports only")):
         fl.plan(QUANT / "modelopt_qwen3moe_mxfp4", tp_size=2, rank=0)
 
 
