@@ -22,7 +22,7 @@ from .dtypes import numpy_name, to_numpy, torch_name
 from .errors import ConfigError, PlanError
 from .io import Reader, reader_for
 from .io.execute import show_progress
-from .layout.axes import Range
+from .layout.axes import Range, view_to_dims
 from .layout.build import build_layout
 from .model.config import model_dtype, read_config
 from .model.spec import spec_for_config
@@ -219,17 +219,28 @@ def _target(model: Any, tree: Any, target_map: TargetMap, mesh: Any, reader: Rea
 
     def block(i: int, box: tuple[Range, ...]) -> np.ndarray:
         leaf_plan = the_plan.leaves[i]
-        arrangement = leaf_plan.arrangement
-        groups = tuple(tuple(arrangement.axes[a].size for a in g) for g in arrangement.source)
+        view = leaf_plan.view
 
-        def read(which: tuple[int, ...], source_box: tuple[Range, ...]) -> np.ndarray:
-            info = leaf_plan.sources[which]
-            shape = tuple(b - a for a, b in source_box)
-            out = np.empty(shape, dtype=to_numpy(torch_name(info.dtype)))
+        def raw(info: Any, source_box: tuple[Range, ...], groups: tuple[tuple[int, ...], ...]) -> np.ndarray:
+            out = np.empty(tuple(b - a for a, b in source_box), dtype=to_numpy(torch_name(info.dtype)))
             active.read_view(info, groups, source_box, memoryview(out.reshape(-1).view(np.uint8)))  # type: ignore[arg-type]
             return out
 
-        return arrange_block(arrangement, box, read, to_numpy(leaf_plan.leaf.dtype), leaf_plan.scale)
+        def read(which: tuple[int, ...], source_box: tuple[Range, ...]) -> np.ndarray:
+            info = leaf_plan.sources[which]
+            dequantizer = leaf_plan.dequantizer
+            if dequantizer is None:
+                return raw(info, source_box, view)
+            outer, picks = view_to_dims(view, source_box)  # dequantized in the tensor's own [out, in]
+            scales = {}
+            for suffix in dequantizer.scale_names:
+                scale = leaf_plan.scales[(which, suffix)]
+                scale_box = dequantizer.scale_box(suffix, outer, scale.shape)
+                scales[suffix] = raw(scale, scale_box, tuple((n,) for n in scale.shape))
+            dense = dequantizer.apply(raw(info, outer, tuple((n,) for n in info.shape)), scales, outer)
+            return dense[np.ix_(*picks)].reshape(tuple(b - a for a, b in source_box))
+
+        return arrange_block(leaf_plan.arrangement, box, read, to_numpy(leaf_plan.leaf.dtype), leaf_plan.scale)
 
     first = [_first_byte(p) for p in the_plan.leaves]
     active = reader or Reader(opts.read, dict(the_plan.checksums))

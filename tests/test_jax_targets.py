@@ -580,3 +580,81 @@ def test_two_processes_read_only_their_shards(tiny_checkpoint, tmp_path):
         assert r["checked"] > 0
         assert r["read"] <= 1.1 * r["held"], (pid, r)
         assert r["read"] < 0.75 * total, (pid, r, total)  # sharded leaves: half each; only norms read by both
+
+
+def check_dequantized(fixture: str) -> int:
+    """FP8 weights dequantized box by box into float32 leaves sharded over (data 2 x model 4),
+    whole heads and slices of head_dim alike, against the independent reference dequantizer."""
+    import importlib.util
+
+    import einops
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh
+
+    import functional_load as fl
+
+    quant = Path(__file__).parent / "fixtures" / "quant"
+    spec = importlib.util.spec_from_file_location("ref_dequant_targets", quant / "make" / "ref_dequant.py")
+    assert spec is not None and spec.loader is not None
+    ref = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ref)
+    path = quant / fixture
+    config = json.loads((path / "config.json").read_text())
+    D, N, K = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
+    H = config.get("head_dim") or D // N
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+    tree = {
+        "q": _sds((D, N, H), jnp.float32, mesh, "data", "model", None),  # whole heads
+        "k": _sds((D, K, H), jnp.float32, mesh, "data", None, "model"),  # slices of head_dim: rows off the blocks
+        "down": _sds((config["intermediate_size"], D), jnp.float32, mesh, "model", "data"),
+        "mid": _sds((2 * H, D), jnp.float32, mesh, None, "data"),  # heads 1-2: rows that start inside a block and cross it
+    }
+    a = "model.layers.0."
+    rules = {
+        "q": fl.Rule(a + "self_attn.q_proj.weight", "(n h) d -> d n h", n=N, dequantize=True),
+        "k": fl.Rule(a + "self_attn.k_proj.weight", "(n h) d -> d n h", n=K, dequantize=True),
+        "down": fl.Rule(a + "mlp.down_proj.weight", "d f -> f d", dequantize=True),
+        "mid": fl.Rule(a + "self_attn.q_proj.weight", "(n h) d -> (n h) d", n=N, take={"n": (1, 3)}, dequantize=True),
+    }
+    drops = (fl.model.targetmap.Drop(r".", "not in this test"),)
+    got = fl.load_jax(path, target=tree, mapping=fl.TargetMap(rules, drops=drops))
+    dense = {p: w for p, (w, _) in ref.dequantize(str(path)).items()}
+    want = {
+        "q": einops.rearrange(dense[a + "self_attn.q_proj"].numpy(), "(n h) d -> d n h", n=N),
+        "k": einops.rearrange(dense[a + "self_attn.k_proj"].numpy(), "(n h) d -> d n h", n=K),
+        "down": dense[a + "mlp.down_proj"].numpy().T,
+        "mid": dense[a + "self_attn.q_proj"].numpy()[H : 3 * H],
+    }
+    return assert_tree_equal(got, want, tree)
+
+
+@pytest.fixture(scope="module")
+def dequantized():
+    names = ("hf_fp8_block", "ct_fp8_channel", "ct_fp8_tensor", "ct_fp8_block_hd64", "hf_fp8_block_ue8m0")
+    return Cases(HERE, globals(), {n: ("check_dequantized", {"fixture": n}) for n in names}, devices=8, timeout=300)
+
+
+@pytest.mark.parametrize("fixture", ["hf_fp8_block", "ct_fp8_channel", "ct_fp8_tensor", "ct_fp8_block_hd64", "hf_fp8_block_ue8m0"])
+def test_fp8_weights_dequantized_box_by_box(dequantized, fixture):
+    assert dequantized.check(fixture) == 4
+
+
+def test_dequantize_names_what_it_cannot(tiny_checkpoint):
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh
+
+    import functional_load as fl
+
+    quant = Path(__file__).parent / "fixtures" / "quant"
+    mesh = Mesh(np.array(jax.devices()[:1]), ("m",))
+    rule = {"w": fl.Rule("model.layers.0.self_attn.q_proj.qweight", "i o -> i o", dequantize=True)}
+    with pytest.raises(fl.PlanError, match="no weight of a module"):
+        fl.load_jax(quant / "gptq_v1", target={"w": _sds((16, 128), jnp.float32, mesh)}, mapping=rule)
+    rule = {"w": fl.Rule("model.layers.0.self_attn.q_proj.weight", "o i -> o i", dequantize=True)}
+    with pytest.raises(fl.PlanError, match="mxfp8 weights .* do not dequantize box by box yet"):
+        fl.load_jax(quant / "llmc_mxfp8", target={"w": _sds((512, 256), jnp.float32, mesh)}, mapping=rule)
+    plain = tiny_checkpoint("llama", kv_heads=2)
+    with pytest.raises(fl.PlanError, match="no quantization_config"):
+        fl.load_jax(plain, target={"w": _sds((64, 64), jnp.float32, mesh)}, mapping=rule)

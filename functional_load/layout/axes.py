@@ -181,3 +181,20 @@ def _product(lists: list[list[tuple[int, tuple[Range, ...]]]]) -> list[tuple[tup
     for options in lists:
         out = [prefix + (item,) for prefix in out for item in options]
     return out
+
+
+def view_to_dims(view: tuple[tuple[int, ...], ...], box: tuple[Range, ...]) -> tuple[tuple[Range, ...], list[list[int]]]:
+    """A box over a tensor's axes (``view``: each dimension's axis sizes) as the bounding box in
+    the tensor's own dimensions, and for each dimension the indices of the box inside it (in
+    row-major order of its axes, relative to the bounding box's start)."""
+    outer, picks, at = [], [], 0
+    for sizes in view:
+        ranges = box[at : at + len(sizes)]
+        strides = [math.prod(sizes[j + 1 :]) for j in range(len(sizes))]
+        flat = [0]
+        for (lo, hi), stride in zip(ranges, strides):
+            flat = [f + i * stride for f in flat for i in range(lo, hi)]
+        outer.append((min(flat), max(flat) + 1))
+        picks.append([f - min(flat) for f in flat])
+        at += len(sizes)
+    return tuple(outer), picks

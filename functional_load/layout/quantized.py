@@ -139,6 +139,24 @@ def groups_of(group_size: int, linear: Linear) -> int:
 Get = Callable[[str], Any]  # a parameter of the module by suffix -> its rank-local tensor
 
 
+class BoxDequantizer(Protocol):
+    """Dequantizes any box of one checkpoint linear's weight (``[out, in]``) from the stored box
+    and its scales' boxes (a JAX target's ``dequantize=True`` rule)."""
+
+    @property
+    def scale_names(self) -> tuple[str, ...]:
+        """The suffixes of the checkpoint tensors beside ``weight`` that it reads."""
+        ...
+
+    def scale_box(self, name: str, box: tuple[tuple[int, int], ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+        """The box of scale tensor ``name`` (of ``shape``) that weight box ``box`` needs."""
+        ...
+
+    def apply(self, weight: Any, scales: Mapping[str, Any], box: tuple[tuple[int, int], ...]) -> Any:
+        """The float32 values of weight box ``box`` from its stored block and scale blocks (numpy)."""
+        ...
+
+
 class Scheme(Protocol):
     """How one linear (or one MoE layer's experts) is quantized: a format module's scheme."""
 
@@ -167,6 +185,10 @@ class Scheme(Protocol):
 
     def quantize(self, dense: Any, specs: Mapping[str, Any], parallel: Parallel) -> dict[str, Any]:
         """An online scheme's tensors (by suffix) from a dense rank-local weight."""
+        ...
+
+    def box_dequantizer(self) -> BoxDequantizer | None:
+        """How to dequantize boxes of one stored linear's weight, or None when the format cannot."""
         ...
 
     def dequantize_experts(self, get: Get, stem: str, specs: Mapping[str, Any], parallel: Parallel) -> Any:

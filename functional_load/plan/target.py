@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -20,10 +20,12 @@ from ..checkpoint import Checkpoint, TensorInfo
 from ..dtypes import torch_name
 from ..errors import ConfigError, PlanError
 from ..layout.axes import Arrangement, Axis, AxisRead, Range
+from ..layout.quantized import BoxDequantizer, Quantization
 from ..model.expressions import Scope, evaluate
 from ..model.mapping import ROTARY_CACHES
 from ..model.pattern import solve_sizes
 from ..model.targetmap import Rule, TargetMap, placeholders
+from ..quant import parse_quant_config
 
 Piece = tuple[tuple[Range, ...], tuple[AxisRead | None, ...]]
 _FLOAT = ("float16", "bfloat16", "float32", "float64")
@@ -48,6 +50,8 @@ class LeafPlan:
     arrangement: Arrangement
     sources: Mapping[tuple[int, ...], TensorInfo]
     scale: float | None = None
+    dequantizer: BoxDequantizer | None = None  # dequantize=True: the sources' format, box by box
+    scales: Mapping[tuple[tuple[int, ...], str], TensorInfo] = field(default_factory=dict)  # (stacked index, suffix) -> scale
 
     def pieces(self, index: tuple[Range, ...]) -> list[Piece]:
         """The pieces of box ``index`` of the leaf and how each is read (see :meth:`Arrangement.boxes`)."""
@@ -65,6 +69,11 @@ class LeafPlan:
             box = tuple(a.src for a in axes[k:])  # type: ignore[union-attr]
             out += [(self.sources[which], box) for which in itertools.product(*ranges)]
         return out
+
+    @property
+    def view(self) -> tuple[tuple[int, ...], ...]:
+        """Each source dimension's axis sizes (how a source box over the axes maps to the tensor)."""
+        return tuple(tuple(self.arrangement.axes[a].size for a in group) for group in self.arrangement.source)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +121,12 @@ def plan_target(
     """Match every leaf to exactly one rule, resolve and check its sources; raise one PlanError."""
     problems: list[str] = []
     scope = Scope(config, target_map.dims)
+    try:
+        quant = parse_quant_config(config)
+    except ConfigError as exc:
+        quant, quant_problem = None, str(exc)
+    else:
+        quant_problem = ""
     compiled = [(key, _key_regex(key), rule) for key, rule in target_map.rules.items()]
     sources = _Sources(checkpoint.tensors)
     plans: list[LeafPlan] = []
@@ -128,12 +143,14 @@ def plan_target(
         key, bound, rule = matches[0]
         try:
             plan = _leaf_plan(leaf, key, {k: int(v) for k, v in bound.items()}, rule, sources, scope, checkpoint)
+            if rule.dequantize:
+                plan = _dequantized(plan, quant, quant_problem, checkpoint)
         except ConfigError as exc:
             problems.append(f"target leaf {leaf.key!r} ({target_map.name} rule {key!r}): {exc}")
             claimed.update(_claimed(rule, bound, sources))  # not reported again as unused
             continue
         plans.append(plan)
-        used.update({info.name: info for info in plan.sources.values()})
+        used.update({info.name: info for info in (*plan.sources.values(), *plan.scales.values())})
     dropped = _unused(checkpoint, {**{n: checkpoint.tensors[n] for n in claimed}, **used}, target_map, config, problems)
     if problems:
         raise PlanError(problems)
@@ -202,10 +219,41 @@ def _leaf_plan(
     )
     if arrangement.shape != leaf.shape:
         raise ConfigError(f"{rule.where} gives shape {list(arrangement.shape)}, the target has {list(leaf.shape)}")
-    _check_dtype(infos[0], leaf, rule)
+    if not rule.dequantize:  # a dequantized source becomes float32 values, checked with its scheme
+        _check_dtype(infos[0], leaf, rule)
     _check_sharding(leaf)
     scale = None if rule.scale is None else float(_number(rule.scale, scope, f"{rule.where} scale"))
     return LeafPlan(leaf, key, arrangement, MappingProxyType(by_index), scale)
+
+
+def _dequantized(plan: LeafPlan, quant: Quantization | None, quant_problem: str, checkpoint: Checkpoint) -> LeafPlan:
+    """A leaf whose sources are dequantized: each source is ``<module>.weight`` of a module the
+    checkpoint's quantization config quantizes in a format that dequantizes box by box."""
+    if quant is None:
+        raise ConfigError(quant_problem or "dequantize=True, but the checkpoint has no quantization_config")
+    if plan.leaf.dtype not in _FLOAT:
+        raise ConfigError(f"dequantize=True gives floating values; the leaf is {plan.leaf.dtype}")
+    scales: dict[tuple[tuple[int, ...], str], TensorInfo] = {}
+    dequantizer = None
+    for which, info in plan.sources.items():
+        module = info.name.removesuffix(".weight")
+        scheme = quant.scheme_for(module, [module]) if info.name.endswith(".weight") else None
+        if scheme is None:
+            raise ConfigError(
+                f"dequantize=True: checkpoint tensor {info.name!r} is no weight of a module the quantization config quantizes"
+            )
+        dequantizer = scheme.box_dequantizer()
+        if dequantizer is None:
+            raise ConfigError(
+                f"dequantize=True: {scheme.format} weights ({info.name!r}) do not dequantize box by box yet (FP8 and INT8 do); "
+                f"keep them quantized: make the leaf their stored dtype and load their scales as leaves of their own"
+            )
+        for suffix in dequantizer.scale_names:
+            name = f"{module}.{suffix}"
+            if name not in checkpoint.tensors:
+                raise ConfigError(f"dequantize=True: {info.name!r} has no scale {name!r} in the checkpoint")
+            scales[(which, suffix)] = checkpoint.tensors[name]
+    return replace(plan, dequantizer=dequantizer, scales=MappingProxyType(scales))
 
 
 def _axes(rule: Rule, left: tuple[str, ...], sizes: dict[str, int], leaf: Leaf, scope: Scope) -> list[Axis]:

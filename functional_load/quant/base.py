@@ -58,6 +58,9 @@ class BaseScheme:
     def quantize(self, dense: Any, specs: Mapping[str, Any], parallel: Parallel) -> dict[str, Any]:
         raise ConfigError(f"{self.format} weights cannot be quantized while loading")
 
+    def box_dequantizer(self) -> Any:
+        return None
+
     def to_json(self) -> dict[str, Any]:
         return {"format": self.format, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}}
 

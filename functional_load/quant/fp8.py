@@ -158,6 +158,50 @@ class Fp8Scheme(BaseScheme):
     def quantize(self, dense: Any, specs: Mapping[str, Any], parallel: Parallel) -> dict[str, Any]:
         return quantize_dense(self, dense, specs, parallel)
 
+    def box_dequantizer(self) -> Fp8Boxes | None:
+        return None if self.online else Fp8Boxes(self.scale_name, self.strategy, self.block)
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Boxes:
+    """Boxes of a stored FP8 (or INT8) weight and the scale cells that cover them:
+    ``W = q * scale``, in float32 by :func:`.fp8_kernels.dequantize_box` (jitted)."""
+
+    scale: str
+    strategy: str
+    block: tuple[int, int] | None
+
+    @property
+    def scale_names(self) -> tuple[str, ...]:
+        return (self.scale,)
+
+    def scale_box(self, name: str, box: tuple[tuple[int, int], ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+        if self.strategy == "tensor":
+            return tuple((0, n) for n in shape)
+        (r0, r1), (c0, c1) = box
+        if self.strategy == "channel":
+            return ((r0, r1), (0, shape[1]))
+        bn, bk = self.block  # type: ignore[misc]
+        return ((r0 // bn, -(-r1 // bn)), (c0 // bk, -(-c1 // bk)))
+
+    def apply(self, weight: Any, scales: Mapping[str, Any], box: tuple[tuple[int, int], ...]) -> Any:
+        import numpy as np
+
+        from .fp8_kernels import dequantize_box
+
+        scale = np.asarray(scales[self.scale], dtype=np.float32)
+        (r0, _), (c0, _) = box
+        if self.strategy == "tensor":
+            grid, offset = (weight.shape[0], weight.shape[1]), (0, 0)
+            scale = scale.reshape(1, 1)
+        elif self.strategy == "channel":
+            grid, offset = (1, weight.shape[1]), (0, 0)
+            scale = scale.reshape(-1, 1)
+        else:
+            grid = self.block  # type: ignore[assignment]
+            offset = (r0 % grid[0], c0 % grid[1])
+        return np.asarray(dequantize_box(weight.astype(np.float32), scale, grid, offset))
+
 
 @dataclass(frozen=True, slots=True)
 class Int8Scheme(Fp8Scheme):
