@@ -653,7 +653,7 @@ def test_dequantize_names_what_it_cannot(tiny_checkpoint):
     with pytest.raises(fl.PlanError, match="no weight of a module"):
         fl.load_jax(quant / "gptq_v1", target={"w": _sds((16, 128), jnp.float32, mesh)}, mapping=rule)
     rule = {"w": fl.Rule("model.layers.0.self_attn.q_proj.weight", "o i -> o i", dequantize=True)}
-    with pytest.raises(fl.PlanError, match="mxfp8 weights .* do not dequantize box by box yet"):
+    with pytest.raises(fl.PlanError, match=r"mxfp8 weights .* do not dequantize box by box yet"):
         fl.load_jax(quant / "llmc_mxfp8", target={"w": _sds((512, 256), jnp.float32, mesh)}, mapping=rule)
     plain = tiny_checkpoint("llama", kv_heads=2)
     with pytest.raises(fl.PlanError, match="no quantization_config"):
