@@ -51,13 +51,16 @@ def resolve_model_dir(
 
 def _layout(
     config: Mapping[str, Any], parallel: Parallel, dtype: str, options: LoadOptions, stored: bool = False,
-    quantization: str | None = None,
+    quantization: str | None = None, checkpoint: Checkpoint | None = None,
 ) -> Layout:
     """The layout of one rank: the spec from the options or the config, and the checkpoint's
-    quantization config or the online one asked for (``stored``: already quantized, in a save)."""
+    quantization config (what it learns from the ``checkpoint``'s dtypes too) or the online one
+    asked for (``stored``: already quantized, in a save)."""
     arch = options.arch_spec() or spec_for_config(config)
     method = quantization or options.quantization
     quant = online_quant_config(method, config, stored) if method else parse_quant_config(config)
+    if quant is not None and checkpoint is not None:
+        quant = quant.for_checkpoint({name: info.dtype for name, info in checkpoint.tensors.items()})
     return build_layout(config, arch, parallel, dtype, quant, text_only=options.text_only)
 
 
@@ -168,7 +171,7 @@ def plan(
     checkpoint = _checkpoint(directory, manifest, parallel.rank, opts.load_format, opts.allow_pickle)
     dtype_name = model_dtype(dtype, config, (info.dtype for info in checkpoint.tensors.values()), str(directory / "config.json"))
     try:
-        return make_plan(_layout(config, parallel, dtype_name, opts, stored, quantization), checkpoint)
+        return make_plan(_layout(config, parallel, dtype_name, opts, stored, quantization, checkpoint), checkpoint)
     except PlanError as exc:
         if fmt != "mistral" or opts.load_format != "auto":
             raise

@@ -512,26 +512,37 @@ def test_expert_intermediate_that_does_not_divide_over_tp(tiny_checkpoint, arch,
 
 
 def test_fewer_experts_than_ep_ranks(tiny_checkpoint):
-    """2 experts over 4 EP ranks: vLLM loads ranks 2 and 3 with zero local experts."""
-    path = tiny_checkpoint("qwen3_moe", kv_heads=KV_HEADS, num_experts=2)
+    """Mixtral, 2 experts over 4 EP ranks: vLLM loads ranks 2 and 3 with zero local experts."""
+    path = tiny_checkpoint("mixtral", kv_heads=KV_HEADS, num_local_experts=2)
     config = json.loads((path / "config.json").read_text())
-    assert config.get("num_local_experts", config.get("num_experts")) == 2
+    assert config["num_local_experts"] == 2
+    inter = config["intermediate_size"]
     checkpoint = read_checkpoint_tensors(path)
     for rank in range(4):
         state = fl.load(path, tp_size=4, rank=rank, expert_parallel=True, progress=False)
-        w13 = state["model.layers.1.mlp.experts.routed_experts.w13_weight"]
-        w2 = state["model.layers.1.mlp.experts.routed_experts.w2_weight"]
+        w13 = state["model.layers.1.block_sparse_moe.experts.routed_experts.w13_weight"]
+        w2 = state["model.layers.1.block_sparse_moe.experts.routed_experts.w2_weight"]
         held = 1 if rank < 2 else 0
-        assert tuple(w13.shape) == (held, 2 * EXPERT_INTER, HIDDEN) and tuple(w2.shape) == (held, HIDDEN, EXPERT_INTER)
+        assert tuple(w13.shape) == (held, 2 * inter, HIDDEN) and tuple(w2.shape) == (held, HIDDEN, inter)
         if held:
-            gate, up, down = expert_matrices(checkpoint, "qwen3_moe", 1, rank, False)
+            gate, up, down = expert_matrices(checkpoint, "mixtral", 1, rank, False)
             assert_same_bits(w13[0], torch.cat([gate, up]), f"rank {rank} w13")
             assert_same_bits(w2[0], down, f"rank {rank} w2")
         else:  # reads no expert byte
             assert not [c.tensor for p in state.plan.params for c in p.copies if ".experts." in c.tensor]
     # without EP, every rank holds both experts, TP-sharded
     state = fl.load(path, tp_size=4, rank=1, progress=False)
-    assert tuple(state["model.layers.1.mlp.experts.routed_experts.w13_weight"].shape) == (2, 16, HIDDEN)
+    assert tuple(state["model.layers.1.block_sparse_moe.experts.routed_experts.w13_weight"].shape) == (2, 2 * inter // 4, HIDDEN)
+
+
+@pytest.mark.parametrize("ep", [False, True])
+def test_qwen_moe_refuses_more_ranks_than_experts(tiny_checkpoint, ep):
+    """vLLM's Qwen-MoE block refuses tp > experts in its constructor, with or without expert
+    parallelism ("Tensor parallel size 8 is greater than the number of experts 6"): so does the layout."""
+    path = tiny_checkpoint("qwen3_moe", kv_heads=KV_HEADS, num_experts=2)
+    with pytest.raises(ShardingError, match="Tensor parallel size 4 is greater than the number of experts 2"):
+        fl.plan(path, tp_size=4, rank=0, expert_parallel=ep)
+    fl.plan(path, tp_size=2, rank=0, expert_parallel=ep)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "deepseek_v3"])

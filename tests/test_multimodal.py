@@ -168,7 +168,9 @@ def test_transformers_5_flat_siglip_is_refused_as_vllm_refuses_it(built: dict[st
     (tmp_path / "config.json").write_text((built["gemma3"] / "config.json").read_text())
     with pytest.raises(PlanError) as err:
         fl.plan(tmp_path)
-    assert "'vision_tower.encoder.layers.0.mlp.fc1.weight'" in str(err.value) and "have no destination" in str(err.value)
+    # every flat tensor, biases included (an undeclared bias is no longer dropped silently)
+    assert "37 checkpoint tensors" in str(err.value) and "have no destination" in str(err.value)
+    assert "'vision_tower.encoder.layers.0.mlp.fc1.bias'" in str(err.value)
     assert "Following weights were not initialized" in str(err.value)
     with pytest.raises(PlanError, match="have no destination"):  # the flat names are no vision module's either
         fl.plan(tmp_path, text_only=True)

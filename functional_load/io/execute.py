@@ -77,6 +77,7 @@ def split_copy(copy: Copy, nbytes_per_element: int, chunk: int) -> list[Copy]:
             copy.transpose,
             copy.repeat,
             copy.rotary,
+            copy.transform,
         )
         for a, b in zip(cuts, cuts[1:])
         if b > a

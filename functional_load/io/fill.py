@@ -72,7 +72,7 @@ def copy_into(plan: Plan, tensor: Any, copy: Copy, reader: Reader) -> None:
     info = plan.tensors[copy.tensor]
     dst = tensor[_index(copy.dst)]
     source_dtype = to_torch(torch_name(info.dtype))
-    if not (copy.transpose or copy.repeat or copy.rotary) and source_dtype == tensor.dtype and dst.is_contiguous():
+    if not (copy.transpose or copy.repeat or copy.rotary or copy.transform) and source_dtype == tensor.dtype and dst.is_contiguous():
         reader.read_into(info, copy.src, _bytes(dst))
     else:
         tmp = torch.empty(tuple(b - a for a, b in copy.src), dtype=source_dtype)

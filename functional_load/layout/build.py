@@ -145,6 +145,7 @@ def build_layout(
             f"real model has; config.json is corrupt"
         )
     parallel = _served_placement(spec, scope, parallel, warn=report)
+    _refusals(spec, scope, parallel)
     params: dict[str, ParamSpec] = {}
     problems: list[str] = []
     failed: set[str] = set()
@@ -173,6 +174,7 @@ def build_layout(
                     check=d.check,
                     stored=d.stored,
                     role=d.role,
+                    transform=d.transform,
                 )
         except ShardingError as exc:
             failed.add(module.pattern)
@@ -195,6 +197,25 @@ def build_layout(
     mapping = (ROTARY_CACHES, *quant_stages, *stages)
     optional = tuple(quant.optional) if quant else ()
     return Layout(spec.name, parallel, dtype, params, mapping, aliases, schemes, _drops(spec, scope), left_out, optional)
+
+
+class _Fields(dict[str, Any]):
+    """``str.format_map`` names from a scope."""
+
+    def __init__(self, scope: Scope) -> None:
+        super().__init__()
+        self.scope = scope
+
+    def __missing__(self, key: str) -> Any:
+        return self.scope[key]
+
+
+def _refusals(spec: ArchSpec, scope: Scope, parallel: Parallel) -> None:
+    """The configurations vLLM refuses for this architecture, refused in its words."""
+    values = scope.with_values(tp_size=parallel.tp_size, expert_parallel=parallel.expert_parallel)
+    for refusal in spec.refusals:
+        if evaluate(refusal.when, values):
+            raise ShardingError(f"{spec.name}: {refusal.message.format_map(_Fields(values))} (vLLM {VLLM_VERSION} refuses it too)")
 
 
 def _drops(spec: ArchSpec, scope: Scope) -> tuple[tuple[str, str], ...]:

@@ -34,15 +34,37 @@ def _linear(module: ModuleSpec, scope: Scope) -> Linear:
             Segment("v", kv_heads, v_head_dim, replicate=replicate, label="KV heads"),
         )
     elif kind == "merged":
-        segments = tuple(
-            Segment(i, scope.int(out, f"{module.pattern}.outs[{i}]"), label="output rows")
-            for i, out in enumerate(f["outs"])
-        )
+        segments = sections(f, "outs", scope, module.pattern)
     else:
+        # ``out`` units of ``unit`` rows (a unit: a head, whose rows stay on one rank)
         out = scope.int(f["out"], f"{module.pattern}.out")
         unit = scope.int(f.get("unit", 1), f"{module.pattern}.unit")
-        segments = (Segment(0, out, unit, label=f.get("label", "output rows")),)
-    return Linear(kind, in_size, segments, bool(f.get("disable_tp", False)))
+        replicate = bool(evaluate(f.get("replicate", False), scope))  # a column of KV heads (vLLM replicates them too)
+        segments = (Segment(0, out, unit, replicate, label=f.get("label", "output rows")),)
+    return Linear(kind, in_size, segments, bool(f.get("disable_tp", False)), str(f.get("stored", "concat")))
+
+
+def _units(rows: int, unit: int, where: str) -> int:
+    if unit < 1 or rows % unit:
+        raise ConfigError(f"{where}: {rows} rows are not a whole number of units of {unit}; check config.json")
+    return rows // unit
+
+
+def sections(fields: Mapping[str, object], key: str, scope: Scope, where: str) -> tuple[Segment, ...]:
+    """Segments from a list of row counts (``outs`` of a merged linear, ``sections`` of a
+    parameter), with per-section ``units`` (rows per unit: a head; default 1) and ``replicate``
+    (a section of fewer units than ranks is repeated on them, as vLLM's KV heads and Mamba-2's
+    single B/C group are)."""
+    outs = list(fields[key])  # type: ignore[call-overload]
+    units = list(fields.get("units", [1] * len(outs)))  # type: ignore[call-overload]
+    replicate = list(fields.get("replicate", [False] * len(outs)))  # type: ignore[call-overload]
+    if not len(outs) == len(units) == len(replicate):
+        raise ConfigError(f"{where}: {key}, units and replicate must have one entry per section")
+    out = []
+    for i, (rows_expr, unit_expr, rep) in enumerate(zip(outs, units, replicate)):
+        rows, unit = scope.int(rows_expr, f"{where}.{key}[{i}]"), scope.int(unit_expr, f"{where}.units[{i}]")
+        out.append(Segment(i, _units(rows, unit, where), unit, bool(evaluate(rep, scope)), label="output rows" if unit == 1 else "units"))
+    return tuple(out)
 
 
 def _linear_params(linear: Linear, scheme: Scheme | None, model_dtype: str, has_bias: bool) -> list[ParamDef]:
@@ -53,7 +75,7 @@ def _linear_params(linear: Linear, scheme: Scheme | None, model_dtype: str, has_
     elif linear.kind == "replicated_linear":
         weight = bias = Replicated()
     else:
-        weight = bias = Split(0, linear.segments, linear.disable_tp)
+        weight = bias = Split(0, linear.segments, linear.disable_tp, linear.stored)
     params: list[ParamDef]
     if scheme is None:
         params = [ParamDef("weight", (linear.out_size, linear.in_size), weight, model_dtype)]
@@ -72,12 +94,16 @@ def module_params(
     if module.kind == "vocab":
         size = scope.int(f["size"], f"{module.pattern}.size")
         dim = scope.int(f["dim"], f"{module.pattern}.dim")
-        return [ParamDef("weight", (size, dim), VocabSplit(size, int(f.get("padding", 64))), dtype)]
+        vocab = VocabSplit(size, int(f.get("padding", 64)))
+        bias = [ParamDef("bias", (size,), vocab, dtype, role="bias")] if evaluate(f.get("bias", False), scope) else []
+        return [ParamDef("weight", (size, dim), vocab, dtype), *bias]
     if module.kind == "replicated":
         params: list[ParamDef] = []
         for suffix, shape in f["params"].items():
             pinned = dtype
-            if isinstance(shape, Mapping):  # {shape = [...], dtype = "float32"}
+            if isinstance(shape, Mapping):  # {shape = [...], dtype = "float32", when = "..."}
+                if not evaluate(shape.get("when", True), scope):
+                    continue
                 shape, pinned = shape["shape"], shape.get("dtype", dtype)
             params.append(ParamDef(suffix, tuple(scope.int(d, f"{module.pattern}.{suffix}") for d in shape), Replicated(), pinned))
         return params
@@ -85,6 +111,8 @@ def module_params(
         heads = scope.int(f["heads"], f"{module.pattern}.heads")
         split = Split(0, (Segment(0, heads, label="attention heads"),))
         return [ParamDef(suffix, (heads,), split, dtype) for suffix in f["params"]]
+    if module.kind == "params":  # parameters of their own, each split along one dimension or replicated
+        return [_param(suffix, fields, scope, f"{module.pattern}.{suffix}", dtype) for suffix, fields in f["params"].items()]
     if module.kind == "kv_cache":  # the quantization method's KV-cache parameters (none when unquantized)
         kv = quant.kv_params if quant else ()
         return [
@@ -102,6 +130,31 @@ def module_params(
     if scheme is not None:
         schemes[name] = scheme
     return _linear_params(linear, scheme, dtype, bool(evaluate(f.get("bias", False), scope)))
+
+
+TRANSFORMS = ("neg_exp",)  # what a loader computes from the stored values (Mamba's A = -exp(A_log))
+
+
+def _param(suffix: str, fields: Mapping[str, object], scope: Scope, where: str, dtype: str) -> ParamDef:
+    """One parameter of a ``params`` module: ``shape``; ``split`` (the dimension split over the
+    ranks, with ``sections``/``units``/``replicate`` along it; absent: replicated); ``dtype``;
+    ``transform`` (a value vLLM's loader computes from the stored one)."""
+    shape = tuple(scope.int(d, f"{where}.shape") for d in fields["shape"])  # type: ignore[attr-defined]
+    sharding: Sharding = Replicated()
+    if "split" in fields:
+        dim = scope.int(fields["split"], f"{where}.split")
+        if not 0 <= dim < len(shape):
+            raise ConfigError(f"{where}: split dimension {dim} is not a dimension of its shape {list(shape)}")
+        spec = dict(fields)
+        spec.setdefault("sections", [shape[dim]])
+        segments = sections(spec, "sections", scope, where)
+        if sum(s.rows for s in segments) != shape[dim]:
+            raise ConfigError(f"{where}: sections {[s.rows for s in segments]} do not add up to dimension {dim} of {list(shape)}")
+        sharding = Split(dim, segments)
+    transform = fields.get("transform")
+    if transform is not None and transform not in TRANSFORMS:
+        raise ConfigError(f"{where}: transform {transform!r} is unknown; known: {TRANSFORMS}")
+    return ParamDef(suffix, shape, sharding, str(fields.get("dtype", dtype)), transform=transform)
 
 
 def _checkpoint_modules(module: str, stages: tuple[MappingTable, ...]) -> list[str]:

@@ -31,6 +31,7 @@ class ParamSpec:
     check: str | None = None  # how read values are checked (layout.quantized.CHECKS), e.g. scales "positive"
     stored: tuple[str, ...] = ()  # dtypes the checkpoint must store it in (empty: any that casts)
     role: str = "weight"  # what it is in its module: weight, scale, zero, bias... (layout.quantized.ParamDef)
+    transform: str | None = None  # computed from the stored values as read ("neg_exp": -exp(x), Mamba's A from A_log)
 
     def local_pieces(self, parallel: Parallel, dim: int = 0) -> list[tuple[Any, tuple[int, int]]]:
         """``(segment id, local range)`` along ``dim`` on this rank: each fused segment's, when the

@@ -43,6 +43,7 @@ class ParamDef(NamedTuple):
     check: str | None = None
     stored: tuple[str, ...] = ()
     role: str = "weight"  # weight | scale | input_scale | zero | g_idx | shape | global_scale | bias | kv_scale
+    transform: str | None = None  # what vLLM's loader computes from the stored values ("neg_exp": Mamba's A)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +54,7 @@ class Linear:
     in_size: int
     segments: tuple[Segment, ...]  # output segments (one for plain column/row layers)
     disable_tp: bool = False
+    stored: str = "concat"  # how a checkpoint tensor holding every segment orders them ("grouped": per KV group)
 
     @property
     def out_size(self) -> int:
@@ -71,7 +73,7 @@ class Linear:
         """Sharding of a tensor whose ``dim`` runs over output rows (``pack`` rows per element)."""
         if not self.column:
             return Replicated()
-        return Split(dim, pack_segments(self.segments, pack), self.disable_tp)
+        return Split(dim, pack_segments(self.segments, pack), self.disable_tp, self.stored)
 
     def in_split(self, dim: int, count: int, label: str) -> Sharding:
         """Sharding of a tensor whose ``dim`` runs over ``count`` input units (columns, packs, groups)."""

@@ -204,3 +204,29 @@ def swap_last(box: tuple[Any, ...]) -> tuple[Any, ...]:
     """``box`` (or a shape) with its last two dimensions swapped: a transposed matrix, or each
     expert's matrix of a 3-D tensor."""
     return box[:-2] + (box[-1], box[-2]) if len(box) >= 2 else box
+
+
+STORED = ("concat", "grouped")  # how a fused QKV tensor orders its rows on disk
+
+
+def grouped_runs(segments: tuple[Segment, ...], segment: ShardId, start: int, stop: int) -> list[tuple[int, int, int]]:
+    """Rows ``[start, stop)`` of QKV segment ``segment`` (relative to it) of a tensor stored per KV
+    group, ``[q heads of the group..., k, v]`` for each group (Falcon; Bloom, one group per head),
+    as ``(stored start, stored stop, offset into [start, stop))`` runs, in order. vLLM regroups
+    such a tensor to ``[q; k; v]`` before its QKV loader splits it (``falcon.py``, ``bloom.py``)."""
+    q, k, v = segments
+    if not (q.id, k.id, v.id) == ("q", "k", "v") or not q.unit == k.unit == v.unit or k.count < 1 or q.count % k.count:
+        raise ConfigError(f"a QKV tensor stored per KV group needs q, k, v of one head size and whole groups, got {segments}")
+    head, per = q.unit, q.count // k.count
+    stride = (per + 2) * head
+    runs, pos = [], start
+    while pos < stop:
+        index, within = divmod(pos, head)
+        if segment == "q":
+            group, slot = divmod(index, per)
+            base, end = group * stride + slot * head, min(stop, (index + per - slot) * head)
+        else:
+            base, end = index * stride + (per if segment == "k" else per + 1) * head, min(stop, (index + 1) * head)
+        runs.append((base + within, base + within + end - pos, pos - start))
+        pos = end
+    return runs

@@ -16,7 +16,20 @@ from ..errors import ConfigError, ShardingError
 from ..model.mapping import ShardId
 from .parallel import Parallel
 from .placement import Along, PerRank, Placement, Same
-from .segments import Box, Piece, Range, Segment, full_box, segment_offsets, segment_pieces, segment_width, vocab_shard, with_range
+from .segments import (
+    STORED,
+    Box,
+    Piece,
+    Range,
+    Segment,
+    full_box,
+    grouped_runs,
+    segment_offsets,
+    segment_pieces,
+    segment_width,
+    vocab_shard,
+    with_range,
+)
 
 Slot = Any  # a key of what must be filled: a segment id, (expert slot, segment id) or None
 
@@ -126,9 +139,12 @@ class Split(Sharding):
     dim: int
     segments: tuple[Segment, ...]
     disable_tp: bool = False
+    stored: str = "concat"  # a tensor holding every segment orders them so on disk ("grouped": per KV group)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "segments", tuple(self.segments))
+        if self.stored not in STORED:
+            raise ValueError(f"Split.stored must be one of {STORED}, got {self.stored!r}")
         if self.dim < 0 or not self.segments:
             raise ValueError(f"Split needs a dimension >= 0 and at least one segment, got {self.dim}, {self.segments}")
         ids = [s.id for s in self.segments]
@@ -181,15 +197,22 @@ class Split(Sharding):
         local = full_box(self.local_shape(shape, parallel))
         offsets = segment_offsets(self.segments) if shard_id is None else {shard_id: 0}
         pieces = [p for p in self.pieces(parallel) if p.segment in ids]
-        pairs = tuple(
-            (
-                with_range(expected, self.dim, (offsets[p.segment] + p.src[0], offsets[p.segment] + p.src[1])),
-                with_range(local, self.dim, p.dst),
-                p.segment,
+        if shard_id is None and self.stored == "grouped":  # one pair per run of the rows as stored
+            pairs = tuple(
+                (with_range(expected, self.dim, (a, b)), with_range(local, self.dim, (p.dst[0] + off, p.dst[0] + off + b - a)), p.segment)
+                for p in pieces
+                for a, b, off in grouped_runs(self.segments, p.segment, *p.src)
             )
-            for p in pieces
-            if p.dst[1] > p.dst[0]
-        )
+        else:
+            pairs = tuple(
+                (
+                    with_range(expected, self.dim, (offsets[p.segment] + p.src[0], offsets[p.segment] + p.src[1])),
+                    with_range(local, self.dim, p.dst),
+                    p.segment,
+                )
+                for p in pieces
+                if p.dst[1] > p.dst[0]
+            )
         tp = self.tp(parallel)[0]
         widths = {s.id: segment_width(s, tp) for s in self.segments}
         zeros = tuple(
@@ -215,7 +238,7 @@ class Split(Sharding):
 
     def to_json(self) -> dict[str, Any]:
         segments = [{"id": g.id, "count": g.count, "unit": g.unit, "replicate": g.replicate} for g in self.segments]
-        return {"kind": "split", "dim": self.dim, "segments": segments, "disable_tp": self.disable_tp}
+        return {"kind": "split", "dim": self.dim, "segments": segments, "disable_tp": self.disable_tp, "stored": self.stored}
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,8 +1,8 @@
 """The safe expression language of the architecture specs.
 
 A tiny subset of Python over config keys and earlier dims: names, numbers, ``+ - * / // % **``,
-comparisons (``in`` too), ``and``/``or``/``not``, ``x if c else y`` and attribute access into a
-nested config (``vision_config.hidden_size``). A missing config key is ``None``, so
+comparisons (``in`` too), ``and``/``or``/``not``, ``x if c else y``, attribute access into a
+nested config (``vision_config.hidden_size``) and items of config lists (``layer_types[layer]``). A missing config key is ``None``, so
 ``"num_key_value_heads or num_attention_heads"`` is a fallback; a key the config lacks at the top
 level is read from its ``text_config`` (multimodal models).
 """
@@ -94,6 +94,15 @@ def evaluate(expr: str | int | float | bool, lookup: Mapping[str, Any] | Any) ->
             return _CMPOPS[type(node.ops[0])](ev(node.left), ev(node.comparators[0]))
         if isinstance(node, ast.IfExp):
             return ev(node.body) if ev(node.test) else ev(node.orelse)
+        if isinstance(node, ast.Subscript):  # an item of a config list or dict: layer_types[layer]
+            outer, key = ev(node.value), ev(node.slice)
+            if isinstance(outer, (list, tuple)) and isinstance(key, int) and not isinstance(key, bool) and -len(outer) <= key < len(outer):
+                return outer[key]
+            if isinstance(outer, Mapping):
+                return outer.get(key)
+            raise ConfigError(
+                f"spec expression {expr!r}: {ast.unparse(node.value)!r} is {outer!r:.60}, which has no item {key!r}; check config.json"
+            )
         raise ConfigError(f"unsupported construct {ast.dump(node)[:60]} in spec expression {expr!r}")
 
     def _number(value: Any, node: ast.AST) -> Any:
@@ -110,19 +119,30 @@ def evaluate(expr: str | int | float | bool, lookup: Mapping[str, Any] | Any) ->
 class Scope(Mapping[str, Any]):
     """Name lookup for spec expressions: ``layer``, then dims (evaluated lazily), then config keys."""
 
-    def __init__(self, config: Mapping[str, Any], dims: Mapping[str, str], layer: int | None = None):
+    def __init__(
+        self, config: Mapping[str, Any], dims: Mapping[str, str], layer: int | None = None, extra: Mapping[str, Any] | None = None
+    ):
         self._config, self._dims, self._layer = config, dims, layer
+        self._extra = dict(extra or {})
         self._cache: dict[str, Any] = {}
         self._busy: set[str] = set()
 
     def with_layer(self, layer: int) -> Scope:
-        scope = Scope(self._config, self._dims, layer)
+        scope = Scope(self._config, self._dims, layer, self._extra)
+        scope._cache = self._cache
+        return scope
+
+    def with_values(self, **values: Any) -> Scope:
+        """This scope with more names (``tp_size`` for a spec's refusals)."""
+        scope = Scope(self._config, self._dims, self._layer, {**self._extra, **values})
         scope._cache = self._cache
         return scope
 
     def __getitem__(self, name: str) -> Any:
         if name == "layer":
             return self._layer
+        if name in self._extra:
+            return self._extra[name]
         if name in self._dims and name not in self._busy:  # inside its own expression a dim means the config key
             if name not in self._cache:
                 self._busy.add(name)

@@ -26,7 +26,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-MODULE_KINDS = ("vocab", "column", "merged", "qkv", "row", "replicated_linear", "replicated", "heads", "experts", "kv_cache")
+MODULE_KINDS = ("vocab", "column", "merged", "qkv", "row", "replicated_linear", "replicated", "heads", "params", "experts", "kv_cache")
 
 @dataclass(frozen=True, slots=True)
 class ModuleSpec:
@@ -75,6 +75,16 @@ class DropSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class RefuseSpec:
+    """A configuration vLLM refuses, refused here with its words: when ``when`` holds (an
+    expression over the config, the dims, ``tp_size`` and ``expert_parallel``), the layout is a
+    ShardingError with ``message`` (``{name}`` fields filled from the same names)."""
+
+    when: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
 class Stage:
     """One mapping table, applied only when ``when`` (an expression over the config) holds."""
 
@@ -94,6 +104,7 @@ class ArchSpec:
     source: str = ""
     drops: tuple[DropSpec, ...] = ()
     prefix: str = ""  # before every module and tied name: a multimodal model's language model ("language_model.")
+    refusals: tuple[RefuseSpec, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dims", MappingProxyType(dict(self.dims)))
@@ -121,7 +132,7 @@ def _stage(stage: Mapping[str, Any], where: str) -> Stage:
 
 def parse_spec(data: Mapping[str, Any], source: str = "<spec>") -> ArchSpec:
     """Build an :class:`ArchSpec` from parsed TOML, checking every field."""
-    known = {"name", "architectures", "layers", "dims", "modules", "stages", "tie", "extends", "drop", "prefix"}
+    known = {"name", "architectures", "layers", "dims", "modules", "stages", "tie", "extends", "drop", "prefix", "refuse"}
     unknown = set(data) - known
     if unknown:
         raise ConfigError(f"{source}: unknown top-level keys {sorted(unknown)}; expected {sorted(known)}")
@@ -142,6 +153,7 @@ def parse_spec(data: Mapping[str, Any], source: str = "<spec>") -> ArchSpec:
             source=source,
             drops=tuple(DropSpec(**d) for d in data.get("drop", [])),
             prefix=str(data.get("prefix", "")),
+            refusals=tuple(RefuseSpec(**r) for r in data.get("refuse", [])),
         )
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, ConfigError):

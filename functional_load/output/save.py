@@ -141,11 +141,11 @@ def _write(states: Iterator[Any], out: Path, model_dir: Path | None) -> Path:
             files[name] = {"rank": rank, "size": (work / name).stat().st_size, "sha256": _sha256(work / name)}
             params = {}
             for p in plan.params:
-                if any(c.repeat or c.rotary or len(c.src) > len(c.dst) for c in p.copies):
+                if any(c.repeat or c.rotary or c.transform or len(c.src) > len(c.dst) for c in p.copies):
                     raise ConfigError(
                         f"save_sharded: {p.spec.name} is not a plain slice of the checkpoint (refined FP8 MoE block "
-                        f"scales, MXFP4 blocks, Llama 4's permuted q/k rows); pre-sharded saves of it are not supported "
-                        f"yet. Load it from the original checkpoint instead"
+                        f"scales, MXFP4 blocks, Llama 4's permuted q/k rows, Mamba's A = -exp(A_log)); pre-sharded saves "
+                        f"of it are not supported yet. Load it from the original checkpoint instead"
                     )
                 sources = [
                     {"tensor": c.tensor, "src": _box(c.src), "dst": _box(c.dst), "transpose": c.transpose}

@@ -89,7 +89,7 @@ def _make_plan(layout: Layout, checkpoint: Checkpoint) -> Plan:
             filled.update({k: name for k in keys})
             transpose = spec.transposed or part.transpose
             for src, dst, _ in part.pairs:
-                copy = Copy(name, swap_last(src) if transpose else src, dst, transpose, part.repeat, part.rotary)
+                copy = Copy(name, swap_last(src) if transpose else src, dst, transpose, part.repeat, part.rotary, spec.transform)
                 if part.check and (spec.name, dst) in shared:  # a part stored identically by several tensors
                     checks[spec.name].append(copy)
                 else:
@@ -294,6 +294,7 @@ def _merge_expert_runs(copies: list[Copy]) -> list[Copy]:
             last is not None
             and last.tensor == c.tensor
             and last.repeat == c.repeat
+            and last.transform == c.transform
             and len(c.src) == len(c.dst) >= 3
             and last.src[1:] == c.src[1:]
             and last.dst[1:] == c.dst[1:]
@@ -302,7 +303,7 @@ def _merge_expert_runs(copies: list[Copy]) -> list[Copy]:
         ):
             src = ((last.src[0][0], c.src[0][1]),) + c.src[1:]
             dst = ((last.dst[0][0], c.dst[0][1]),) + c.dst[1:]
-            merged[-1] = Copy(c.tensor, src, dst, c.transpose, c.repeat, c.rotary)
+            merged[-1] = Copy(c.tensor, src, dst, c.transpose, c.repeat, c.rotary, c.transform)
         else:
             merged.append(c)
     return merged

@@ -27,7 +27,8 @@ class Copy:
     """Read box ``src`` of checkpoint tensor ``tensor`` (in its stored orientation) into box
     ``dst`` of the rank-local parameter, swapping the block's last two dimensions when
     ``transpose``, and repeating each element ``repeat[d]`` times along source dimension ``d``
-    (the destination takes the first of them). ``rotary``: the source rows are heads of this many
+    (the destination takes the first of them); ``transform`` computes the values from the stored
+    ones. ``rotary``: the source rows are heads of this many
     rows with their rotary pairs interleaved; the destination holds each head's halves (vLLM's
     Llama 4 loader permutes q and k so)."""
 
@@ -37,9 +38,12 @@ class Copy:
     transpose: bool = False
     repeat: tuple[int, ...] = ()
     rotary: int = 0
+    transform: str | None = None  # "neg_exp": the values are -exp(stored), in float32 (Mamba's A from A_log)
 
     def arrange(self, block: Any, shape: tuple[int, ...]) -> Any:
         """``block`` (a torch tensor read as ``src``) in the destination's orientation and ``shape``."""
+        if self.transform == "neg_exp":
+            block = -block.float().exp()  # as vLLM's loader: -torch.exp(loaded.float())
         if self.rotary:
             block = to_halves(block, self.rotary)
         if self.transpose:
@@ -158,6 +162,7 @@ class Plan:
                             "transpose": c.transpose,
                             "repeat": list(c.repeat),
                             "rotary": c.rotary,
+                            "transform": c.transform,
                             "bytes": self.copy_bytes(c),
                         }
                         for c in p.copies

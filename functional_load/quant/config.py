@@ -9,6 +9,7 @@ only if all of its parts are. Malformed fields are ConfigErrors, never bare Type
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -33,13 +34,34 @@ class QuantConfig:
     mapping: tuple[MappingTable, ...] = ()
     kinds: tuple[str, ...] = ("linear", "experts")  # what the method quantizes (gpt-oss MXFP4: experts only)
     optional: tuple[tuple[str, str], ...] = ()  # (regex of a mapped name, why): dropped when no parameter takes it
+    # GPTQ: the checkpoint modules that are quantized (a module is when one of these is part of its
+    # name, as vLLM matches them); None: every module the ignore list leaves. ``detect``: learn them
+    # from the checkpoint's non-float tensors when the config names none (vLLM reads them from the
+    # safetensors metadata), so a router stored in bf16 stays unquantized.
+    quantized: tuple[str, ...] | None = None
+    detect: bool = False
 
     def quantizes(self, kind: str) -> bool:
         """Whether the method quantizes modules of ``kind`` (``"linear"`` or ``"experts"``)."""
         return kind in self.kinds
 
+    def for_checkpoint(self, dtypes: Mapping[str, str]) -> QuantConfig:
+        """This config with the quantized modules learned from the checkpoint's tensor dtypes
+        (``{name: safetensors code}``), where the method learns them so."""
+        if not self.detect or self.quantized is not None:
+            return self
+        floats = ("F16", "BF16", "F32")
+        found = tuple(sorted({name.rsplit(".", 1)[0] for name, code in dtypes.items() if code not in floats}))
+        return dataclasses.replace(self, quantized=found or None)
+
     def scheme_for(self, module: str, sources: Sequence[str]) -> Scheme | None:
         """The scheme of vLLM module ``module`` whose checkpoint parts are ``sources``."""
+        if self.quantized is not None:
+            held = [any(layer in s for layer in self.quantized) for s in sources]
+            if any(held) and not all(held):
+                raise ConfigError(f"{module}: some but not all of its checkpoint parts {list(sources)} are quantized")
+            if not any(held):
+                return None
         skipped = [matches(self.ignore, s) for s in sources]
         if any(skipped) and not all(skipped):
             raise ConfigError(

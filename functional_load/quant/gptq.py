@@ -24,7 +24,7 @@ from ..layout.scales import Shared
 from ..model.mapping import MappingTable
 from .base import BaseScheme
 from .codes import unpack_int32
-from .config import QuantConfig, group_size_field, ignore_list, int_field
+from .config import QuantConfig, group_size_field, ignore_list, int_field, names
 from .kv import CACHE_SCALES, OPTIONAL_KV
 from .pack import group_index, group_split, per_group
 
@@ -99,4 +99,10 @@ def parse_gptq(qc: Mapping[str, Any], v2: bool | None = None) -> QuantConfig:
     act_order = bool(qc.get("desc_act", False))
     scheme = GptqScheme(bits, group, bool(qc.get("sym", True)), 0 if v2 else 1, act_order)
     mapping = (CACHE_SCALES,) if act_order else (CACHE_SCALES, DROP_G_IDX)
-    return QuantConfig("gptq", scheme, ignore_list(qc), mapping=mapping, optional=OPTIONAL_KV + OPTIONAL_BIAS)
+    listed = qc.get("modules_in_block_to_quantize")
+    quantized = None
+    if listed:  # a list of names, or of lists of them
+        quantized = tuple(n for item in listed for n in (item if isinstance(item, list) else [item]))
+        names(quantized, "modules_in_block_to_quantize")
+    return QuantConfig("gptq", scheme, ignore_list(qc), mapping=mapping, optional=OPTIONAL_KV + OPTIONAL_BIAS,
+                       quantized=quantized, detect=True)
