@@ -15,10 +15,11 @@ from collections.abc import Callable
 from ..errors import ConfigError
 from ..model.expressions import Scope
 from ..model.spec import ModuleSpec
+from .expert_sharding import ExpertSplit, FirstRank
 from .quantized import Experts, Linear, ParamDef, Scheme
 from .scales import Pick, Shared, Slots
 from .segments import Segment
-from .sharding import ExpertSplit, FirstRank, Replicated, Sharding, Split
+from .sharding import Replicated, Sharding, Split
 
 BIASES = ("none", "all", "first_rank")
 

@@ -20,10 +20,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError
+from ..layout.expert_sharding import Grouped
 from ..layout.experts import biases, w2_split, w13_split
 from ..layout.parallel import Parallel
 from ..layout.quantized import Experts, Get, Linear, ParamDef
-from ..layout.sharding import Grouped, Sharding
+from ..layout.sharding import Sharding
 from .base import BaseScheme
 from .codes import e8m0_values, fp4_values
 from .config import QuantConfig, ignore_list

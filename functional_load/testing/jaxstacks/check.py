@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ...api_jax import load_jax
+from ...io import Reader, ReadOptions
 from .common import flatten, setup_cpu_devices
 from .smoke import WORKERS, checkpoint
 
@@ -97,15 +99,12 @@ def differences(ours: Any, theirs: Any) -> list[str]:
 def run_case(stack: str, worker: Any, case: Case, workdir: Path) -> dict[str, Any]:
     import numpy as np
 
-    import functional_load as fl
-    from functional_load.io import Reader, ReadOptions
-
     directory = checkpoint(case.arch, case.head_dim, workdir)
     options = {**getattr(worker, "SMOKE_OPTIONS", {}).get(case.arch, {}), **case.options}
     target, _, handle = worker.abstract_target(str(directory), case.mesh, **options)
     start = time.perf_counter()
     with Reader(ReadOptions()) as reader:
-        ours = fl.load_jax(directory, target=target, mapping=MAPS[(stack, case.arch)], reader=reader)
+        ours = load_jax(directory, target=target, mapping=MAPS[(stack, case.arch)], reader=reader)
         read = reader.bytes_read
     seconds = time.perf_counter() - start
     result: dict[str, Any] = {"case": f"{stack} {case.name}", "bytes_read": read, "shard_bytes": shard_bytes(ours),

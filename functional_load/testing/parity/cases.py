@@ -11,108 +11,9 @@ harness.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
-from types import MappingProxyType
-from typing import Any
+from .case import DENSE, MOE, Case, Options
 
-from ..checkpoints import write_checkpoint
-from ..mistral_format import add_mistral_copy
-from ..multimodal import rename_checkpoint
-
-FIXTURES = Path(__file__).resolve().parents[3] / "tests" / "fixtures" / "quant"
-
-
-@dataclass(frozen=True)
-class Options:
-    """Loader options of one parity run, given to vLLM and to functional_load alike."""
-
-    expert_parallel: bool = False
-    expert_placement: str | None = None  # None: each loader's default (linear)
-    dtype: str | None = None  # None: the config's ("auto")
-    load_format: str = "auto"
-    # ours only: the language model of a multimodal model, compared with vLLM's whole model less
-    # the vision parameters (vLLM has no such option; its run is the one without text_only)
-    text_only: bool = False
-
-    @property
-    def label(self) -> str:
-        parts = ["ep"] if self.expert_parallel else []
-        if self.expert_placement:
-            parts.append(self.expert_placement)
-        if self.dtype:
-            parts.append(self.dtype)
-        if self.load_format != "auto":
-            parts.append(self.load_format)
-        if self.text_only:
-            parts.append("text_only")
-        return ",".join(parts) or "-"
-
-    @property
-    def vllm_label(self) -> str:
-        """The label of vLLM's run: ``text_only`` is ours alone."""
-        return Options(self.expert_parallel, self.expert_placement, self.dtype, self.load_format).label
-
-    def vllm(self) -> dict[str, Any]:
-        return {
-            "expert_parallel": self.expert_parallel, "expert_placement": self.expert_placement, "dtype": self.dtype or "auto",
-            "load_format": self.load_format,
-        }
-
-    def ours(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"expert_parallel": self.expert_parallel, "dtype": self.dtype, "load_format": self.load_format}
-        if self.expert_placement:
-            out["expert_placement"] = self.expert_placement
-        if self.text_only:
-            out["text_only"] = True
-        return out
-
-
-DENSE = (Options(),)
-MOE = (Options(), Options(True), Options(True, "round_robin"))
-
-
-@dataclass(frozen=True)
-class Case:
-    """One checkpoint and the runs made on it.
-
-    ``arch`` and ``build`` make a tiny checkpoint with
-    :func:`functional_load.testing.checkpoints.write_checkpoint`; ``fixture`` names a directory of
-    ``tests/fixtures/quant`` instead.
-    """
-
-    name: str
-    arch: str | None = None
-    build: Mapping[str, Any] = field(default_factory=dict)
-    fixture: str | None = None
-    tps: tuple[int, ...] = (1, 2, 4, 8)
-    options: tuple[Options, ...] = DENSE
-    vllm_cannot: str = ""  # why vLLM cannot load this while functional_load can (listed in the report)
-    we_refuse: str = ""  # why functional_load refuses a state vLLM loads (listed in the report)
-    note: str = ""
-    mistral_copy: bool = False  # also write Mistral's own format (params.json, consolidated.safetensors)
-    multimodal: bool = False  # vLLM builds a vision tower: its worker gets torchvision (env.ensure_torchvision)
-    names: str = ""  # rewrite the built checkpoint to another release's names (testing.multimodal.LAYOUTS)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "build", MappingProxyType(dict(self.build)))
-        if (self.arch is None) == (self.fixture is None):
-            raise ValueError(f"case {self.name}: give exactly one of arch or fixture")
-
-    def write(self, root: Path) -> Path:
-        """The case's checkpoint directory (built under ``root`` on first use)."""
-        if self.fixture is not None:
-            return FIXTURES / self.fixture
-        out = root / self.name
-        if not (out / "config.json").exists():
-            assert self.arch is not None
-            write_checkpoint(self.arch, out, **dict(self.build))
-            if self.names:
-                rename_checkpoint(out, self.arch, self.names)
-            if self.mistral_copy:
-                add_mistral_copy(out)
-        return out
+__all__ = ["CASES", "Case", "Options", "select"]
 
 
 # Formats vLLM no longer reads, or crashes on, that functional_load loads (its dequantization
@@ -140,7 +41,7 @@ _DUMMY = (Options(load_format="dummy"),)
 _MULTIMODAL = (Options(), Options(text_only=True))
 _ODD = {"vocab_size": 100, "intermediate_size": 96}  # vocab pads to 128: at tp 8 rank 7 is all padding
 
-CASES: tuple[Case, ...] = (
+CORE: tuple[Case, ...] = (
     # Dense, every spec; MHA, GQA, MQA; tied and untied embeddings.
     Case("llama-mha", "llama"),
     Case("llama-gqa", "llama", {"kv_heads": 2}),
@@ -245,6 +146,24 @@ CASES: tuple[Case, ...] = (
         )
     ),
 )
+
+
+def _groups() -> tuple[Case, ...]:
+    """The cases of the ``cases_*`` modules (one per group of families), in module order."""
+    import importlib
+    import pkgutil
+    from pathlib import Path
+
+    out: list[Case] = []
+    for module in sorted(m.name for m in pkgutil.iter_modules([str(Path(__file__).parent)]) if m.name.startswith("cases_")):
+        out += importlib.import_module(f"{__package__}.{module}").CASES
+    return tuple(out)
+
+
+CASES: tuple[Case, ...] = CORE + _groups()
+_names = [c.name for c in CASES]
+if len(set(_names)) != len(_names):
+    raise ValueError(f"parity cases named twice: {sorted({n for n in _names if _names.count(n) > 1})}")
 
 
 def select(cases: tuple[Case, ...], patterns: list[str]) -> tuple[Case, ...]:

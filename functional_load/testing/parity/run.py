@@ -23,7 +23,7 @@ from typing import Any
 import functional_load as fl
 
 from . import env
-from .cases import Case, Options
+from .case import Case, Options
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 
