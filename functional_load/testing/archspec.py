@@ -27,6 +27,7 @@ class ArchSpec:
     ``config``, ``num_layers``, ``kv_heads``, ``tie_word_embeddings`` and the overrides then go
     there, except overrides named in ``outer_config`` (or ``text_config_key`` itself), which go
     to the top-level config together with ``outer_config``. None: the config is flat.
+    ``config_json`` is merged into the saved config.json last (see the field).
     """
 
     config_class: str
@@ -42,6 +43,10 @@ class ArchSpec:
     # (old, new) name prefixes applied after save_pretrained: the released layout, where
     # transformers 5 saves another one (Gemma 3's vision tower)
     renames: tuple[tuple[str, str], ...] = ()
+    # top-level config.json fields written after save_pretrained: the architecture name a release
+    # carries where transformers writes another class's (InternLM3 written as Llama), and fields
+    # releases carry that transformers' config class lacks (MiniMax-M2's rotary_dim, LFM2's conv_dim)
+    config_json: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
 
 _TOKENS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}  # defaults lie outside vocab 1000

@@ -237,6 +237,9 @@ def write_checkpoint(
     with quiet_transformers():
         model.save_pretrained(out, max_shard_size=max_shard_size)
     _set_config_dtype(out / "config.json", dtype_name)
+    if spec.config_json:
+        path = out / "config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **_plain(spec.config_json)}, indent=2, sort_keys=True) + "\n")
 
     if spec.renames:  # to the released layout (see ArchSpec.renames)
         tensors = read_checkpoint_tensors(out)
