@@ -18,7 +18,7 @@ from .checkpoint import Checkpoint
 from .checkpoint.discover import checkpoint_format, discover
 from .checkpoint.hub import resolve_model
 from .checkpoint.index import index_checkpoint
-from .checkpoint.sharded import read_manifest, sharded_checkpoint
+from .checkpoint.sharded import read_manifest, saved_rank, sharded_checkpoint
 from .dtypes import TORCH_TO_SAFETENSORS
 from .errors import ConfigError, LoadError, PlanError
 from .io import execute
@@ -170,8 +170,12 @@ def plan(
             )
     checkpoint = _checkpoint(directory, manifest, parallel.rank, opts.load_format, opts.allow_pickle)
     dtype_name = model_dtype(dtype, config, (info.dtype for info in checkpoint.tensors.values()), str(directory / "config.json"))
+    layout = _layout(config, parallel, dtype_name, opts, stored, quantization, checkpoint)
+    if manifest is not None and not stored:  # at the saved layout, the rank's own file is read as it is
+        kept = {name: p.local_shape for name, p in layout.params.items() if name not in layout.aliases}
+        checkpoint = saved_rank(directory, manifest, parallel, kept) or checkpoint
     try:
-        return make_plan(_layout(config, parallel, dtype_name, opts, stored, quantization, checkpoint), checkpoint)
+        return make_plan(layout, checkpoint)
     except PlanError as exc:
         if fmt != "mistral" or opts.load_format != "auto":
             raise

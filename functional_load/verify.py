@@ -113,9 +113,11 @@ def verify_ranks(model_dir: Any, *, tp_size: int = 1, options: LoadOptions = Loa
         plans.append(the_plan)
 
     problems: list[str] = []
-    infos = {name: info for p in plans for name, info in p.tensors.items()}
-    reference = {name: reference_tensor(info) for name, info in infos.items()}
-    covered = {name: torch.zeros(info.shape, dtype=torch.bool) for name, info in infos.items()}
+    # keyed by file and name: a save reloaded at its saved layout reads each rank's own file,
+    # whose tensors have the same names in every rank file
+    infos = {(info.file, name): info for p in plans for name, info in p.tensors.items()}
+    reference = {key: reference_tensor(info) for key, info in infos.items()}
+    covered = {key: torch.zeros(info.shape, dtype=torch.bool) for key, info in infos.items()}
 
     for the_plan, state in zip(plans, states):
         rank = the_plan.parallel.rank
@@ -123,20 +125,21 @@ def verify_ranks(model_dir: Any, *, tp_size: int = 1, options: LoadOptions = Loa
             tensor = state[param.spec.name]
             for copy in param.copies:
                 dst = tensor[tuple(slice(a, b) for a, b in copy.dst)]
-                src = reference[copy.tensor][tuple(slice(a, b) for a, b in copy.src)]
+                key = (the_plan.tensors[copy.tensor].file, copy.tensor)
+                src = reference[key][tuple(slice(a, b) for a, b in copy.src)]
                 src = copy.arrange(src, tuple(dst.shape)).to(tensor.dtype)
                 if not torch.equal(_bits(dst), _bits(src)):
                     problems.append(f"rank {rank}: {param.spec.name}{list(copy.dst)} differs from {copy.tensor}{list(copy.src)}")
-                covered[copy.tensor][tuple(slice(a, b) for a, b in copy.src)] = True
+                covered[key][tuple(slice(a, b) for a, b in copy.src)] = True
             for box in param.zeros:
                 if torch.count_nonzero(tensor[tuple(slice(a, b) for a, b in box)].float()):
                     problems.append(f"rank {rank}: padding {list(box)} of {param.spec.name} is not zero")
         for alias, target in the_plan.aliases.items():
             if state[alias] is not state[target]:
                 problems.append(f"rank {rank}: tied {alias} is not the same tensor as {target}")
-    for name, mask in covered.items():
+    for (file, name), mask in covered.items():
         if not bool(mask.all()):
-            problems.append(f"{name}: {int((~mask).sum())} elements are held by no rank")
+            problems.append(f"{name} ({file.name}): {int((~mask).sum())} elements are held by no rank")
     for param in plans[0].params:
         if all(isinstance(p.param(param.spec.name).spec.sharding.placement(p.parallel), Same) for p in plans):
             first = _bits(states[0][param.spec.name])

@@ -174,3 +174,29 @@ def sharded_checkpoint(directory: str | os.PathLike, manifest: Mapping[str, Any]
     }
     files = tuple(directory / n for n in needed)
     return Checkpoint(directory, "sharded", files, tensors, directory / MANIFEST, False, checksums)
+
+
+def saved_rank(
+    directory: str | os.PathLike, manifest: Mapping[str, Any], parallel: Any, params: Mapping[str, tuple[int, ...]]
+) -> Checkpoint | None:
+    """The rank's own file as a rank-local checkpoint, when this load is the saved one: the same
+    tp size and expert placement, and the file holds exactly ``params`` (the layout's rank-local
+    parameters less tied aliases, and less those the save records as defaults) at those shapes. Its tensors are then read
+    as they are, in file order (no virtual original tensors, no per-box gather). None otherwise:
+    the load reshards through :func:`sharded_checkpoint`."""
+    saved = manifest["parallel"]
+    same = (parallel.tp_size, parallel.expert_parallel, parallel.expert_placement, parallel.num_redundant_experts) == (
+        saved["tp_size"], saved["expert_parallel"], saved["expert_placement"], saved["num_redundant_experts"],
+    )
+    if not same or manifest.get("online_quantization"):
+        return None
+    directory = Path(directory)
+    entry = manifest["ranks"][str(parallel.rank)]
+    verify_sizes(directory, manifest, [entry["file"]])
+    own = directory / entry["file"]
+    tensors = read_header(own)
+    stored = {n: shape for n, shape in params.items() if entry["params"].get(n, {}).get("fill") is None}
+    if {n: t.shape for n, t in tensors.items()} != stored:
+        return None
+    checksums = {directory / name: e["sha256"] for name, e in manifest["files"].items()}
+    return Checkpoint(directory, "sharded", (own,), tensors, directory / MANIFEST, True, checksums)

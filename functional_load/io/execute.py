@@ -20,10 +20,11 @@ from typing import Any
 from ..layout.segments import box_volume, full_box
 from ..plan.plan import Copy, ParamPlan, Plan
 from .files import EagerReader
-from .fill import allocate, check_scale, copy_into, is_scale, load_param, prepare, verify_shared
+from .fill import allocate, check_scale, copy_into, direct_bytes, is_scale, load_param, prepare, verify_shared
 from .options import ReadOptions, should_prefetch
 from .prefetch import Prefetcher
 from .reader import Reader, reader_for, verify_unchanged
+from .runs import Job, Run, join_runs
 
 CHUNK_BYTES = 16 << 20  # copies larger than this are split, so several threads share a big tensor
 LONG_LOAD_BYTES = 2 << 30  # progress=None shows a bar only for loads that read at least this much
@@ -143,7 +144,10 @@ def execute(
             ),
             key=lambda job: _file_order(plan, job[1]),
         )
-        _run(plan, jobs, out, reader, options.threads, bar)
+        units: list[Run | Job] = list(jobs)
+        if reader.sequential:  # abutting direct copies: one preadv each stretch
+            units = join_runs(plan, jobs, lambda job: direct_bytes(plan, out[job[0].spec.name], job[1]), CHUNK_BYTES)
+        _run(plan, units, out, reader, options.threads, bar)
         for param in fixed:
             verify_shared(plan, param, out[param.spec.name], reader)
         read_seconds = time.perf_counter() - start
@@ -191,29 +195,38 @@ def _file_order(plan: Plan, copy: Copy) -> tuple[str, int, Any]:
     return (str(info.file), getattr(info.location, "offset", 0), copy.src)
 
 
-def _run(plan: Plan, jobs: list[tuple[ParamPlan, Copy]], out: dict[str, Any], reader: Reader, threads: int, bar: Any) -> None:
-    """Run copies in file order; with several threads, reads overlap (``preadv`` releases the GIL).
-    An eager reader drops each file's buffer after its last copy."""
-    remaining = Counter(str(plan.tensors[c.tensor].file) for _, c in jobs)
+def _run(plan: Plan, units: list[Run | Job], out: dict[str, Any], reader: Reader, threads: int, bar: Any) -> None:
+    """Run copies (and sequential runs of them) in file order; with several threads, reads
+    overlap (``preadv`` releases the GIL). An eager reader drops each file's buffer after its last copy."""
+    remaining = Counter(str(_info(plan, u).file) for u in units)
 
-    def run(job: tuple[ParamPlan, Copy]) -> None:
-        param, copy = job
-        copy_into(plan, out[param.spec.name], copy, reader)
+    def run(unit: Run | Job) -> None:
+        if isinstance(unit, Run):
+            reader.read_run(unit)
+            done = unit.nbytes
+        else:
+            param, copy = unit
+            copy_into(plan, out[param.spec.name], copy, reader)
+            done = plan.copy_bytes(copy)
         if bar is not None:
-            bar.update(plan.copy_bytes(copy))
+            bar.update(done)
 
-    def done(job: tuple[ParamPlan, Copy]) -> None:
-        info = plan.tensors[job[1].tensor]
+    def finished(unit: Run | Job) -> None:
+        info = _info(plan, unit)
         remaining[str(info.file)] -= 1
         if isinstance(reader.files, EagerReader) and remaining[str(info.file)] == 0:
             reader.files.release(info.file)
 
-    if threads <= 1 or len(jobs) < 2:
-        for job in jobs:
-            run(job)
-            done(job)
+    if threads <= 1 or len(units) < 2:
+        for unit in units:
+            run(unit)
+            finished(unit)
         return
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="functional-load") as pool:
-        for job, future in [(job, pool.submit(run, job)) for job in jobs]:
+        for unit, future in [(unit, pool.submit(run, unit)) for unit in units]:
             future.result()
-            done(job)
+            finished(unit)
+
+
+def _info(plan: Plan, unit: Run | Job) -> Any:
+    return unit.info if isinstance(unit, Run) else plan.tensors[unit[1].tensor]

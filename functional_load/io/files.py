@@ -20,7 +20,6 @@ saves.
 
 from __future__ import annotations
 
-import math
 import mmap
 import os
 import threading
@@ -33,6 +32,7 @@ from ..dtypes import itemsize
 from ..errors import IntegrityError
 from ..layout.segments import Box
 from .options import MiB, ReadOptions
+from .runs import Run, byte_runs, read_run
 
 _ALIGN = 4096
 
@@ -54,31 +54,6 @@ def span_of(info: TensorInfo) -> FileSpan:
     if not isinstance(location, FileSpan):
         raise TypeError(f"{info.name}: not stored as a file span ({type(location).__name__})")
     return location
-
-
-def byte_runs(shape: tuple[int, ...], box: Box, item: int) -> tuple[np.ndarray, int]:
-    """Offsets (relative to the tensor start) and common length of the contiguous byte runs
-    that make up ``box`` of a row-major tensor of ``shape``, in row-major order of the box.
-
-    The run spans the first dimension that the box does not fully cover, plus every dimension
-    after it; dimensions before it are iterated. A dim-0 slice is one run; a dim-1 slice of a
-    matrix is one run per row.
-    """
-    if not shape:
-        return np.zeros(1, dtype=np.int64), item
-    strides = [item * math.prod(shape[d + 1 :]) for d in range(len(shape))]
-    split = 0
-    for d in range(len(shape) - 1, -1, -1):
-        if box[d] != (0, shape[d]):
-            split = d
-            break
-    start, stop = box[split]
-    run = (stop - start) * strides[split]
-    offsets = np.array([start * strides[split]], dtype=np.int64)
-    for d in range(split - 1, -1, -1):
-        lo, hi = box[d]
-        offsets = (np.arange(lo, hi, dtype=np.int64)[:, None] * strides[d] + offsets[None, :]).reshape(-1)
-    return offsets, run
 
 
 class _Files:
@@ -212,6 +187,23 @@ class PreadReader:
             for offset in offsets.tolist():
                 position += _pread_full(fd, out[position : position + run], base + offset, info)
             self._count(position)
+
+    @property
+    def sequential(self) -> bool:
+        """Whether :meth:`read_run` may be used (not with ``O_DIRECT``, whose buffers must be aligned)."""
+        return not self._direct
+
+    def read_run(self, run: Run) -> None:
+        """One sequential run (see :mod:`.runs`), through the descriptor advised for sequential reads."""
+        fd = self._spans.fd(run.info)
+
+        def short(got: int) -> IntegrityError:
+            return IntegrityError(
+                f"{span_of(run.info).file}: tensors {', '.join(map(repr, run.tensors[:3]))} end early: read {got} of "
+                f"{run.nbytes} bytes at offset {run.offset}; the file was truncated or changed after it was indexed"
+            )
+
+        self._count(read_run(fd, run, short))
 
     def _read_span(self, fd: int, info: TensorInfo, offsets: np.ndarray, run: int, out: memoryview) -> None:
         """Read runs with equal gaps as big sequential chunks and scatter them (row-parallel slices)."""

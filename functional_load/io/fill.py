@@ -65,16 +65,28 @@ def allocate(specs: list[Any]) -> dict[str, Any]:
     return out
 
 
+def direct_bytes(plan: Plan, tensor: Any, copy: Copy) -> memoryview | None:
+    """The bytes of ``copy``'s destination in ``tensor`` when the source can be read straight into
+    them (a contiguous slot of the source dtype, stored as read), else None."""
+    dst = tensor[_index(copy.dst)]
+    if copy.transpose or copy.repeat or copy.rotary or copy.transform or not dst.is_contiguous():
+        return None
+    if to_torch(torch_name(plan.tensors[copy.tensor].dtype)) != tensor.dtype:
+        return None
+    return _bytes(dst)
+
+
 def copy_into(plan: Plan, tensor: Any, copy: Copy, reader: Reader) -> None:
     """Fill one planned box of ``tensor``."""
     import torch
 
     info = plan.tensors[copy.tensor]
-    dst = tensor[_index(copy.dst)]
-    source_dtype = to_torch(torch_name(info.dtype))
-    if not (copy.transpose or copy.repeat or copy.rotary or copy.transform) and source_dtype == tensor.dtype and dst.is_contiguous():
-        reader.read_into(info, copy.src, _bytes(dst))
+    direct = direct_bytes(plan, tensor, copy)
+    if direct is not None:
+        reader.read_into(info, copy.src, direct)
     else:
+        dst = tensor[_index(copy.dst)]
+        source_dtype = to_torch(torch_name(info.dtype))
         tmp = torch.empty(tuple(b - a for a, b in copy.src), dtype=source_dtype)
         reader.read_into(info, copy.src, _bytes(tmp))
         dst.copy_(copy.arrange(tmp, tuple(dst.shape)))

@@ -24,8 +24,9 @@ from ..checkpoint.pickles import safe_torch_load
 from ..dtypes import itemsize
 from ..errors import IntegrityError
 from ..layout.segments import Box, box_volume, swap_last
-from .files import Tally, byte_runs, check_unchanged, file_reader
+from .files import PreadReader, Tally, check_unchanged, file_reader
 from .options import ReadOptions
+from .runs import Run, byte_runs
 
 
 def _intersect(box: Box, other: Box) -> Box | None:
@@ -68,6 +69,17 @@ class Reader:
             self._read_pickle(info, location, box, out)
         else:
             self._read_saved(info, location, box, out)
+
+    @property
+    def sequential(self) -> bool:
+        """Whether abutting direct copies may be read as sequential :class:`~.runs.Run` s."""
+        return isinstance(self.files, PreadReader) and self.files.sequential
+
+    def read_run(self, run: Run) -> None:
+        """Fill a run's destinations (file spans only; see :attr:`sequential`)."""
+        assert isinstance(self.files, PreadReader)
+        self._verify(run.info.file)
+        self.files.read_run(run)
 
     def read_view(self, info: TensorInfo, view: tuple[tuple[int, ...], ...], box: Box, out: memoryview) -> None:
         """Fill ``out`` with ``box`` of ``info`` seen with each dimension split into axes (``view``:

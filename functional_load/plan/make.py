@@ -51,6 +51,7 @@ def _make_plan(layout: Layout, checkpoint: Checkpoint) -> Plan:
     router = _Router(layout, checkpoint.renames)
     parts = _Parts(layout, checkpoint)
 
+    local = checkpoint.rank_local
     not_held: dict[int | None, str] = {}
     for name, info in checkpoint.tensors.items():
         mapped = router.route(name, dropped, unplaced, info)
@@ -70,9 +71,9 @@ def _make_plan(layout: Layout, checkpoint: Checkpoint) -> Plan:
                     not_held[expert] = f"expert {expert} is not held by rank {parallel.rank}"
                 dropped.append((name, not_held[expert]))
                 continue
-            if interleaved and spec.sharding.unit_rows(shard_id) and len(info.shape) and info.shape[0] > 1:
+            if interleaved and not local and spec.sharding.unit_rows(shard_id) and len(info.shape) and info.shape[0] > 1:
                 part = replace(part, rotary=spec.sharding.unit_rows(shard_id))
-            problem = _mismatch(name, info, spec, part, shard_id, layout)
+            problem = _mismatch(name, info, spec, part, shard_id, layout, local)
             if problem:
                 problems.append(problem)
                 failed.add(spec.name)  # its parameter is reported once, not again as incomplete
@@ -87,9 +88,10 @@ def _make_plan(layout: Layout, checkpoint: Checkpoint) -> Plan:
                 problems.append(f"checkpoint tensors {clash!r} and {name!r} both fill parameter {spec.name}")
                 continue
             filled.update({k: name for k in keys})
-            transpose = spec.transposed or part.transpose
+            transpose = (spec.transposed and not local) or part.transpose
+            transform = None if local else spec.transform  # a rank-local file holds the parameters as they are
             for src, dst, _ in part.pairs:
-                copy = Copy(name, swap_last(src) if transpose else src, dst, transpose, part.repeat, part.rotary, spec.transform)
+                copy = Copy(name, swap_last(src) if transpose else src, dst, transpose, part.repeat, part.rotary, transform)
                 if part.check and (spec.name, dst) in shared:  # a part stored identically by several tensors
                     checks[spec.name].append(copy)
                 else:
@@ -206,9 +208,9 @@ class _Parts:
         return part
 
 
-def _mismatch(name: str, info: TensorInfo, spec: ParamSpec, part: Part, shard_id: Any, layout: Layout) -> str | None:
+def _mismatch(name: str, info: TensorInfo, spec: ParamSpec, part: Part, shard_id: Any, layout: Layout, local: bool) -> str | None:
     """A shape that is not the expected one, or a dtype that cannot become the parameter's."""
-    stored = swap_last(part.expected) if spec.transposed or part.transpose else part.expected
+    stored = swap_last(part.expected) if (spec.transposed and not local) or part.transpose else part.expected
     if info.shape != stored:
         what = f" (shard {shard_id!r})" if shard_id is not None else ""
         return (
