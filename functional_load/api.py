@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +60,7 @@ def _layout(
     method = quantization or options.quantization
     quant = online_quant_config(method, config, stored) if method else parse_quant_config(config)
     if quant is not None and checkpoint is not None:
-        quant = quant.for_checkpoint({name: info.dtype for name, info in checkpoint.tensors.items()})
+        quant = quant.for_checkpoint(checkpoint.dtypes)
     return build_layout(config, arch, parallel, dtype, quant, text_only=options.text_only)
 
 
@@ -99,9 +99,14 @@ def weight_dtypes(directory: Path, config: Mapping[str, Any]) -> tuple[str, ...]
         manifest = read_manifest(directory)
         if manifest is not None:
             return (TORCH_TO_SAFETENSORS[manifest["dtype"]],)
-        return tuple(info.dtype for info in index_checkpoint(discover(directory)).tensors.values())
+        return tuple(index_checkpoint(discover(directory)).dtypes().values())
     except LoadError:  # no weights at hand: the config decides alone
         return ()
+
+
+def _weight_codes(checkpoint: Checkpoint) -> Iterator[str]:
+    """The checkpoint's dtype codes, gathered only if iterated (the config names no dtype)."""
+    yield from checkpoint.dtypes().values()
 
 
 def _checkpoint(directory: Path, manifest: Mapping[str, Any] | None, rank: int, load_format: str, allow_pickle: bool) -> Checkpoint:
@@ -169,7 +174,7 @@ def plan(
                 f"({manifest['parallel']}), its original weights are not in it. Save from the original checkpoint to reshard"
             )
     checkpoint = _checkpoint(directory, manifest, parallel.rank, opts.load_format, opts.allow_pickle)
-    dtype_name = model_dtype(dtype, config, (info.dtype for info in checkpoint.tensors.values()), str(directory / "config.json"))
+    dtype_name = model_dtype(dtype, config, _weight_codes(checkpoint), str(directory / "config.json"))
     layout = _layout(config, parallel, dtype_name, opts, stored, quantization, checkpoint)
     if manifest is not None and not stored:  # at the saved layout, the rank's own file is read as it is
         kept = {name: p.local_shape for name, p in layout.params.items() if name not in layout.aliases}

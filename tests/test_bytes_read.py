@@ -257,6 +257,12 @@ class WastefulReader(Reader):
         os.close(fd)
         super().read_into(info, box, out)
 
+    def read_run(self, run):
+        fd = os.open(run.info.file, os.O_RDONLY)
+        os.preadv(fd, [bytearray(run.nbytes * 2)], run.offset)
+        os.close(fd)
+        super().read_run(run)
+
 
 def test_the_syscall_check_catches_a_reader_that_reads_too_much(checkpoints, monkeypatch):
     """The checks above can fail: a reader that over-reads passes a count check but not the

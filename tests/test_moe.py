@@ -335,6 +335,13 @@ class RecordingReader(Reader):
         super().read_into(info, box, out)
         self.by_tensor[info.name] += self.bytes_read - before
 
+    def read_run(self, run) -> None:  # abutting direct copies read at once: each view is its tensor's
+        before = self.bytes_read
+        super().read_run(run)
+        assert self.bytes_read - before == sum(v.nbytes for v in run.views)
+        for name, view in zip(run.tensors, run.views, strict=True):
+            self.by_tensor[name] += view.nbytes
+
 
 def dense_share(name: str, numel: int, tp: int, rank: int) -> int:
     """Elements of non-expert checkpoint tensor ``name`` that ``rank`` of ``tp`` keeps."""

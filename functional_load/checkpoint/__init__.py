@@ -204,8 +204,18 @@ class Checkpoint:
     renames: tuple[MappingTable, ...] = ()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "tensors", MappingProxyType(dict(self.tensors)))
+        if isinstance(self.tensors, dict):  # other mappings are read-only already (LazyTensors)
+            object.__setattr__(self, "tensors", MappingProxyType(dict(self.tensors)))
         object.__setattr__(self, "checksums", MappingProxyType(dict(self.checksums)))
+
+    def dtypes(self) -> dict[str, str]:
+        """Every tensor's dtype code, without building the infos of a lazily indexed checkpoint."""
+        from .lazy import LazyTensors
+
+        tensors = self.tensors
+        if isinstance(tensors, LazyTensors):
+            return tensors.dtypes()
+        return {name: info.dtype for name, info in tensors.items()}
 
     @property
     def total_bytes(self) -> int:

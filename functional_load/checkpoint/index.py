@@ -18,12 +18,12 @@ from ..errors import CheckpointError, FormatError, IntegrityError, SecurityError
 from ..paths import strict_json_loads
 from . import Checkpoint, FileSpan, FileStamp, TensorInfo, paused_gc, span_info
 from .discover import WeightFiles
+from .lazy import MAX_NAME_LENGTH, Header, LazyTensors, tiles
 from .mistral import MISTRAL_NAMES
 from .pickles import index_pickles
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # same cap as the safetensors library
 MAX_TENSORS = 1_000_000  # a header this large is a denial of service, not a model
-MAX_NAME_LENGTH = 1024
 _DIGITS_TO_ZERO = bytes.maketrans(b"123456789", b"000000000")
 _LONG_DIGITS = b"0" * 20  # a run of 20 digits: an integer literal that may not fit in 64 bits
 _ITEMSIZE = {code: itemsize(code) for code in SAFETENSORS_DTYPES}
@@ -104,9 +104,8 @@ def span_offset(info: TensorInfo) -> int:
     return info.location.offset
 
 
-def read_header(path: Path) -> dict[str, TensorInfo]:
-    """Every tensor of one safetensors file, in data-offset order, validated against the file size."""
-    path = Path(path)
+def _raw_header(path: Path) -> tuple[bytes, str, int, FileStamp]:
+    """A safetensors file's header bytes and text, where its data starts, and its stamp."""
     with open(path, "rb") as f:
         stamp = FileStamp.of(os.fstat(f.fileno()))
         file_size = stamp.size
@@ -128,7 +127,18 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise FormatError(f"{path}: header is not valid UTF-8 ({exc})") from exc
-    data_start = 8 + n
+    return raw, text, 8 + n, stamp
+
+
+def read_header(path: Path) -> dict[str, TensorInfo]:
+    """Every tensor of one safetensors file, in data-offset order, validated against the file size."""
+    path = Path(path)
+    raw, text, data_start, stamp = _raw_header(path)
+    return _validated(path, raw, text, data_start, stamp)
+
+
+def _validated(path: Path, raw: bytes, text: str, data_start: int, stamp: FileStamp) -> dict[str, TensorInfo]:
+    file_size = stamp.size
     infos = _fast_header(path, raw, text, data_start, file_size, stamp)
     if infos is None:  # anything unusual: the strict parse decides, and names the problem
         infos = _strict_header(path, text, data_start, file_size, stamp)
@@ -184,13 +194,13 @@ def _strict_header(path: Path, text: str, data_start: int, file_size: int, stamp
     ]
 
 
-def _fast_header(path: Path, raw: bytes, text: str, data_start: int, file_size: int, stamp: FileStamp) -> list[TensorInfo] | None:
-    """The tensors of a well-formed header, parsed without the strict parser's hooks; None when
-    anything is unusual (then :func:`_strict_header` decides). What the hooks would catch is
-    ruled out first: escapes, NaN/Infinity, ``-0`` and integers of 20 digits or more are absent
-    from the text, and duplicate keys are absent because the text has exactly one ``:`` per key
-    the parsed header holds (plus those inside its strings, which escape-free strings hold
-    verbatim)."""
+def _fast_json(raw: bytes, text: str) -> tuple[dict[str, Any], int] | None:
+    """The tensor entries of a well-formed header and the number of ``:`` its keys account for
+    (less 3 per entry), parsed without the strict parser's hooks; None when anything is unusual
+    (then :func:`_strict_header` decides). What the hooks would catch is ruled out first:
+    escapes, NaN/Infinity, ``-0`` and integers of 20 digits or more are absent from the text, and
+    duplicate keys are absent when the text has exactly one ``:`` per key the parsed header holds
+    (plus those inside its strings, which escape-free strings hold verbatim)."""
     if "\\" in text or "NaN" in text or "Infinity" in text or "-0" in text or _LONG_DIGITS in raw.translate(_DIGITS_TO_ZERO):
         return None
     try:
@@ -207,6 +217,16 @@ def _fast_header(path: Path, raw: bytes, text: str, data_start: int, file_size: 
         colons += len(metadata) + "".join(metadata).count(":") + "".join(metadata.values()).count(":")
     if len(header) > MAX_TENSORS:
         return None
+    return header, colons
+
+
+def _fast_header(path: Path, raw: bytes, text: str, data_start: int, file_size: int, stamp: FileStamp) -> list[TensorInfo] | None:
+    """The tensors of a well-formed header (:func:`_fast_json`), each entry checked as
+    :func:`_parse_entry` checks it; None when anything is unusual."""
+    parsed = _fast_json(raw, text)
+    if parsed is None:
+        return None
+    header, colons = parsed
     infos = []
     for name, entry in header.items():
         info = _fast_entry(path, name, entry, data_start, file_size, stamp)  # 3 keys, no strings with ":"
@@ -214,6 +234,28 @@ def _fast_header(path: Path, raw: bytes, text: str, data_start: int, file_size: 
             return None
         infos.append(info)
     return infos if colons + 3 * len(infos) == text.count(":") else None
+
+
+def lazy_header(path: Path) -> Header | dict[str, TensorInfo]:
+    """One file's header for a :class:`~.lazy.LazyTensors`: its entries, checked as a whole
+    (:func:`~.lazy.tiles`), or, when the fast checks cannot vouch for it, every tensor read by
+    :func:`read_header`'s strict path."""
+    path = Path(path)
+    raw, text, data_start, stamp = _raw_header(path)
+    parsed = _fast_json(raw, text)
+    if parsed is not None:
+        header, colons = parsed
+        order = tiles(header, stamp.size - data_start) if colons + 3 * len(header) == text.count(":") else None
+        if order is not None:
+            return Header(path, {name: header[name] for name in order}, data_start, stamp.size, stamp)
+    return _validated(path, raw, text, data_start, stamp)
+
+
+def _build(header: Header, name: str) -> TensorInfo:
+    """A tensor of a lazily indexed file, its entry checked as :func:`read_header` checks it."""
+    entry = header.entries[name]
+    args = (header.path, name, entry, header.data_start, header.file_size, header.stamp)
+    return _fast_entry(*args) or _parse_entry(*args)
 
 
 def _contiguous(infos: list[TensorInfo], data_start: int, file_size: int) -> bool:
@@ -261,28 +303,38 @@ def index_checkpoint(files: WeightFiles, *, allow_pickle: bool = False) -> Check
 
 
 def _index_safetensors(files: WeightFiles) -> Checkpoint:
-    headers = {path.name: read_header(path) for path in files.files}
-    tensors: dict[str, TensorInfo] = {}
-    if files.weight_map is not None:
-        listed = files.weight_map.get
-        for path in files.files:
-            shard = path.name
-            tensors.update({name: info for name, info in headers[shard].items() if listed(name) == shard})
-        if len(tensors) != len(files.weight_map):  # some listed tensor is not in its shard: name the first
-            for name, shard in files.weight_map.items():
-                if name not in headers[shard]:
+    """The tensors of every file, indexed lazily (:mod:`.lazy`); the index decides duplicates."""
+    headers = {path.name: lazy_header(path) for path in files.files}
+    where: dict[str, Header] = {}
+    built: dict[str, TensorInfo] = {}
+    listed = files.weight_map.get if files.weight_map is not None else None
+    for path in files.files:
+        header = headers[path.name]
+        names = header.entries if isinstance(header, Header) else header
+        if listed is not None:
+            keep = [name for name in names if listed(name) == path.name]
+        else:
+            keep = list(names)
+            for name in keep:
+                if name in where:
                     raise CheckpointError(
-                        f"Tensor {name!r} is listed in index {str(files.index_file)!r} under shard {shard!r}, "
-                        f"but {shard!r} has no such tensor. Fix the index or re-download the shard."
-                    )
-    else:
-        for path in files.files:
-            for name, info in headers[path.name].items():
-                if name in tensors:
-                    raise CheckpointError(
-                        f"Tensor {name!r} appears in both {str(tensors[name].file)!r} and {str(path)!r} "
+                        f"Tensor {name!r} appears in both {str(where[name].path)!r} and {str(path)!r} "
                         "and there is no index file to choose; remove the duplicate file or add an index."
                     )
-                tensors[name] = info
+        if isinstance(header, Header):
+            where.update(dict.fromkeys(keep, header))
+        else:  # read in full: its infos are built already
+            stub = Header(path, {}, 0, 0, FileStamp(0, 0, 0, 0))
+            where.update(dict.fromkeys(keep, stub))
+            built.update({name: header[name] for name in keep})
+    if files.weight_map is not None and len(where) != len(files.weight_map):  # a listed tensor is not in its shard
+        for name, shard in files.weight_map.items():
+            header = headers[shard]
+            if name not in (header.entries if isinstance(header, Header) else header):
+                raise CheckpointError(
+                    f"Tensor {name!r} is listed in index {str(files.index_file)!r} under shard {shard!r}, "
+                    f"but {shard!r} has no such tensor. Fix the index or re-download the shard."
+                )
     renames = (MISTRAL_NAMES,) if files.load_format == "mistral" else ()
+    tensors = LazyTensors(where, _build, built)
     return Checkpoint(files.directory, files.load_format, files.files, tensors, files.index_file, renames=renames)

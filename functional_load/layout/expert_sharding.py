@@ -47,6 +47,10 @@ class ExpertSplit(Sharding):
         expert = parallel.expert_slots(self.num_experts)[s]
         return f"expert {expert}" + (f" ({segment})" if segment is not None else "")
 
+    def held(self, parallel: Parallel) -> frozenset[int]:
+        """The experts some local slot of this rank holds (:meth:`part` of any other is None)."""
+        return frozenset(parallel.expert_slots(self.num_experts))
+
     def part(
         self, shape: tuple[int, ...], shard_id: ShardId | None, expert: int | None, parallel: Parallel, found: tuple[int, ...]
     ) -> Part | None:

@@ -17,6 +17,7 @@ from ..checkpoint import Checkpoint, TensorInfo, paused_gc
 from ..dtypes import FLOAT8, torch_name
 from ..errors import PlanError, ShardingError
 from ..layout.build import Layout, ParamSpec
+from ..layout.expert_sharding import ExpertSplit
 from ..layout.segments import Box, box_volume, boxes_overlap, full_box, swap_last
 from ..layout.sharding import Part
 from ..model.mapping import MappingTable, NameMapper, ShardId
@@ -44,7 +45,7 @@ def _make_plan(layout: Layout, checkpoint: Checkpoint) -> Plan:
     checks: dict[str, list[Copy]] = defaultdict(list)
     filled: dict[tuple[str, Any], str] = {}  # (parameter, slot) -> checkpoint tensor
     shared: set[tuple[str, Box]] = set()  # (parameter, box) already filled by a copy
-    unplaced: list[tuple[str, TensorInfo, str]] = []  # checkpoint tensors with no destination
+    unplaced: list[tuple[str, str]] = []  # checkpoint tensors with no destination (name, mapped name)
     failed: set[str] = set()  # parameters a tensor could not fill (already a problem)
     used: dict[str, TensorInfo] = {}
     parallel = layout.parallel
@@ -53,12 +54,24 @@ def _make_plan(layout: Layout, checkpoint: Checkpoint) -> Plan:
 
     local = checkpoint.rank_local
     not_held: dict[int | None, str] = {}
-    for name, info in checkpoint.tensors.items():
-        mapped = router.route(name, dropped, unplaced, info)
+    held: dict[int, frozenset[int]] = {}  # number of experts -> the experts this rank holds
+    tensors = checkpoint.tensors  # lazily indexed: an info is built only for a tensor the rank may read
+    for name in tensors:
+        mapped = router.route(name, dropped, unplaced)
         if mapped is None:
             continue
         param, shard_ids, expert, interleaved = mapped
         spec = router.params[param]
+        if expert is not None and isinstance(spec.sharding, ExpertSplit) and not local:
+            count = spec.sharding.num_experts
+            if count not in held:
+                held[count] = spec.sharding.held(parallel)
+            if expert not in held[count] and 0 <= expert < count:  # another rank's expert: no info, no part
+                if expert not in not_held:
+                    not_held[expert] = f"expert {expert} is not held by rank {parallel.rank}"
+                dropped.append((name, not_held[expert]))
+                continue
+        info = tensors[name]
         for shard_id in shard_ids or (None,):
             try:
                 part = parts.get(spec, shard_id, expert, info)
@@ -100,7 +113,7 @@ def _make_plan(layout: Layout, checkpoint: Checkpoint) -> Plan:
             zeros[spec.name].extend(part.zeros)
             used[name] = info
 
-    problems[:0] = _unplaced(unplaced, layout)
+    problems[:0] = _unplaced([(name, tensors[name], mapped) for name, mapped in unplaced], layout)
     fills = _completeness(layout, checkpoint, filled, copies, zeros, problems, failed)
     if problems:
         raise PlanError(problems)
@@ -141,9 +154,7 @@ class _Router:
         self.mapper = NameMapper(renames + layout.mapping)
         self.optional = [(re.compile(pattern), why) for pattern, why in layout.optional]
 
-    def route(
-        self, name: str, dropped: list[tuple[str, str]], unplaced: list[tuple[str, TensorInfo, str]], info: TensorInfo
-    ) -> Routed | None:
+    def route(self, name: str, dropped: list[tuple[str, str]], unplaced: list[tuple[str, str]]) -> Routed | None:
         """``(parameter, shard ids, expert, interleaved)``: the fields of a :class:`Mapped`."""
         if self.drop_prefixes and name.startswith(self.drop_prefixes):
             dropped.append((name, next(why for prefix, why in self.layout.drops if name.startswith(prefix))))
@@ -162,7 +173,7 @@ class _Router:
         elif optional := next((why for regex, why in self.optional if regex.search(param)), None):
             dropped.append((name, f"{param}: {optional}"))
         else:
-            unplaced.append((name, info, param))
+            unplaced.append((name, param))
         return None
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,13 +45,13 @@ class QuantConfig:
         """Whether the method quantizes modules of ``kind`` (``"linear"`` or ``"experts"``)."""
         return kind in self.kinds
 
-    def for_checkpoint(self, dtypes: Mapping[str, str]) -> QuantConfig:
+    def for_checkpoint(self, dtypes: Callable[[], Mapping[str, str]]) -> QuantConfig:
         """This config with the quantized modules learned from the checkpoint's tensor dtypes
-        (``{name: safetensors code}``), where the method learns them so."""
+        (``dtypes()``: ``{name: safetensors code}``, asked for only where the method learns them so)."""
         if not self.detect or self.quantized is not None:
             return self
         floats = ("F16", "BF16", "F32")
-        found = tuple(sorted({name.rsplit(".", 1)[0] for name, code in dtypes.items() if code not in floats}))
+        found = tuple(sorted({name.rsplit(".", 1)[0] for name, code in dtypes().items() if code not in floats}))
         return dataclasses.replace(self, quantized=found or None)
 
     def scheme_for(self, module: str, sources: Sequence[str]) -> Scheme | None:
