@@ -185,6 +185,14 @@ def span_info(name: str, dtype: str, shape: tuple[int, ...], file: Path, offset:
     return info
 
 
+class IndexedTensors(Mapping[str, TensorInfo]):
+    """A read-only mapping of tensors that knows their dtypes without building every info
+    (:class:`~.lazy.LazyTensors`)."""
+
+    def dtypes(self) -> dict[str, str]:
+        return {name: info.dtype for name, info in self.items()}
+
+
 @dataclass(frozen=True, slots=True)
 class Checkpoint:
     """All tensors of a checkpoint directory, from headers only.
@@ -204,18 +212,15 @@ class Checkpoint:
     renames: tuple[MappingTable, ...] = ()
 
     def __post_init__(self) -> None:
-        if isinstance(self.tensors, dict):  # other mappings are read-only already (LazyTensors)
+        if not isinstance(self.tensors, IndexedTensors | MappingProxyType):  # a copy, frozen
             object.__setattr__(self, "tensors", MappingProxyType(dict(self.tensors)))
         object.__setattr__(self, "checksums", MappingProxyType(dict(self.checksums)))
 
     def dtypes(self) -> dict[str, str]:
         """Every tensor's dtype code, without building the infos of a lazily indexed checkpoint."""
-        from .lazy import LazyTensors
-
-        tensors = self.tensors
-        if isinstance(tensors, LazyTensors):
-            return tensors.dtypes()
-        return {name: info.dtype for name, info in tensors.items()}
+        if isinstance(self.tensors, IndexedTensors):
+            return self.tensors.dtypes()
+        return {name: info.dtype for name, info in self.tensors.items()}
 
     @property
     def total_bytes(self) -> int:

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from . import FileStamp, TensorInfo
+from . import FileStamp, IndexedTensors, TensorInfo
 
 MAX_NAME_LENGTH = 1024
 
@@ -57,7 +57,7 @@ def tiles(entries: Mapping[str, Any], data_size: int) -> list[str] | None:
     return [names[i] for i in order.tolist()]
 
 
-class LazyTensors(Mapping[str, TensorInfo]):
+class LazyTensors(IndexedTensors):
     """The tensors of a checkpoint by name, each :class:`TensorInfo` built on first access from
     its file's :class:`Header` (names in file order, then data order)."""
 

@@ -8,7 +8,9 @@ checked as they are read, and parts of a fused layer that must be identical are 
 
 from __future__ import annotations
 
+import math
 import mmap
+import threading
 from typing import Any
 
 from ..dtypes import to_torch, torch_itemsize, torch_name
@@ -78,7 +80,6 @@ def direct_bytes(plan: Plan, tensor: Any, copy: Copy) -> memoryview | None:
 
 def copy_into(plan: Plan, tensor: Any, copy: Copy, reader: Reader) -> None:
     """Fill one planned box of ``tensor``."""
-    import torch
 
     info = plan.tensors[copy.tensor]
     direct = direct_bytes(plan, tensor, copy)
@@ -86,10 +87,27 @@ def copy_into(plan: Plan, tensor: Any, copy: Copy, reader: Reader) -> None:
         reader.read_into(info, copy.src, direct)
     else:
         dst = tensor[_index(copy.dst)]
-        source_dtype = to_torch(torch_name(info.dtype))
-        tmp = torch.empty(tuple(b - a for a, b in copy.src), dtype=source_dtype)
+        tmp = _staging(tuple(b - a for a, b in copy.src), to_torch(torch_name(info.dtype)))
         reader.read_into(info, copy.src, _bytes(tmp))
         dst.copy_(copy.arrange(tmp, tuple(dst.shape)))
+
+
+_STAGING_BYTES = 32 << 20  # a thread keeps its staging buffer up to this size
+_stage = threading.local()
+
+
+def _staging(shape: tuple[int, ...], dtype: Any) -> Any:
+    """A box-sized buffer to read a cast or rearranged copy into: the thread's own, reused (fresh
+    memory would be page-faulted again for every copy), or a new one past ``_STAGING_BYTES``."""
+    import torch
+
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes > _STAGING_BYTES:
+        return torch.empty(shape, dtype=dtype)
+    buffer = getattr(_stage, "buffer", None)
+    if buffer is None or buffer.numel() < nbytes:
+        buffer = _stage.buffer = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8)
+    return buffer[:nbytes].view(dtype).view(shape)
 
 
 def prepare(param: ParamPlan, tensor: Any) -> None:
