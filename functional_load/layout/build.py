@@ -15,7 +15,7 @@ from typing import Any
 from ..errors import ConfigError, ShardingError
 from ..model.expressions import Scope, evaluate
 from ..model.mapping import ROTARY_CACHES, MappingTable
-from ..model.spec import ArchSpec, ModuleSpec
+from ..model.spec import ArchSpec, ModuleSpec, Stage
 from ..vllm_target import VLLM_VERSION
 from .modules import module_params
 from .parallel import Parallel
@@ -71,21 +71,37 @@ def _instances(
     instances; a module's ``prefix`` replaces the spec's."""
     runs: list[list[ModuleSpec]] = []
     for module in spec.modules if modules is None else modules:
-        per_layer = "{layer}" in module.pattern
+        per_layer = _per_layer(module)
         last = runs[-1][0] if runs else None
-        if last is not None and per_layer and "{layer}" in last.pattern and last.fields.get("layers") == module.fields.get("layers"):
+        if last is not None and per_layer and _per_layer(last) and last.fields.get("layers") == module.fields.get("layers"):
             runs[-1].append(module)
         else:
             runs.append([module])
     for run in runs:
-        layers = range(_layer_count(spec, run[0], scope, num_layers)) if "{layer}" in run[0].pattern else [None]
+        layers = range(_layer_count(spec, run[0], scope, num_layers)) if _per_layer(run[0]) else [None]
         for layer in layers:
             layer_scope = scope.with_layer(layer) if layer is not None else scope
             for module in run:
                 if "when" in module.fields and not evaluate(module.fields["when"], layer_scope):
                     continue
                 prefix = str(module.fields.get("prefix", spec.prefix))
-                yield module, prefix + module.pattern.replace("{layer}", str(layer)), layer_scope
+                yield module, prefix + _instance_name(module, layer, layer_scope), layer_scope
+
+
+def _per_layer(module: ModuleSpec) -> bool:
+    """Whether the module expands per layer: its pattern holds ``{layer}``, or names computed from it."""
+    return "{layer}" in module.pattern or "names" in module.fields
+
+
+def _instance_name(module: ModuleSpec, layer: int | None, scope: Scope) -> str:
+    """The module's pattern with ``{layer}`` and each placeholder of its ``names`` filled in:
+    ``names = { first = "hybrid_layer_ids[layer % num_mem_blocks]" }`` puts that number for
+    ``{first}`` (a module vLLM names after another layer: Zamba2's shared blocks, held by the first
+    hybrid layer that uses them)."""
+    name = module.pattern.replace("{layer}", str(layer))
+    for key, expr in dict(module.fields.get("names", {})).items():
+        name = name.replace("{" + key + "}", str(scope.int(expr, f"{module.pattern}.names.{key}")))
+    return name
 
 
 def model_tp_sizes(
@@ -136,7 +152,7 @@ def build_layout(
     out the ``vision = true`` modules (their tensors are dropped, with the reason). Divisibility
     problems of all modules are collected and raised together as one ShardingError."""
     scope = Scope(config, spec.dims)
-    stages = tuple(stage.table for stage in spec.stages if evaluate(stage.when, scope))
+    stages = tuple(_stage_table(stage, scope) for stage in spec.stages if stage.layers is not None or evaluate(stage.when, scope))
     schemes: dict[str, Scheme] = {}
     num_layers = scope.int(spec.layers, f"{spec.name}.layers")
     if num_layers > MAX_LAYERS:
@@ -199,6 +215,21 @@ def build_layout(
     return Layout(spec.name, parallel, dtype, params, mapping, aliases, schemes, _drops(spec, scope), left_out, optional)
 
 
+def _stage_table(stage: Stage, scope: Scope) -> MappingTable:
+    """A stage's table; a per-layer stage's rules instantiated for each layer its ``when`` holds for."""
+    if stage.layers is None:
+        return stage.table
+    count = scope.int(stage.layers, "stage layers")
+    if count > MAX_LAYERS:
+        raise ConfigError(f"a mapping stage's layers = {stage.layers!r} evaluated to {count}; config.json is corrupt")
+    return MappingTable(tuple(
+        replace(rule, pattern=rule.pattern.replace("{layer}", str(n)),
+                replacement=None if rule.replacement is None else rule.replacement.replace("{layer}", str(n)))
+        for n in range(count) if evaluate(stage.when, scope.with_layer(n))
+        for rule in stage.table.rules
+    ))
+
+
 class _Fields(dict[str, Any]):
     """``str.format_map`` names from a scope."""
 
@@ -226,7 +257,9 @@ def _drops(spec: ArchSpec, scope: Scope) -> tuple[tuple[str, str], ...]:
         if stop - first > MAX_LAYERS:
             raise ConfigError(f"{spec.name}: drop rule {drop.prefix!r} spans {stop - first} layers; config.json is corrupt")
         if "{layer}" not in drop.prefix:
-            out.append((drop.prefix, drop.reason))
+            if evaluate(drop.when, scope):
+                out.append((drop.prefix, drop.reason))
             continue
-        out += [(drop.prefix.replace("{layer}", str(n)), drop.reason) for n in range(first, stop)]
+        kept = (n for n in range(first, stop) if evaluate(drop.when, scope.with_layer(n)))
+        out += [(drop.prefix.replace("{layer}", str(n)), drop.reason) for n in kept]
     return tuple(out)

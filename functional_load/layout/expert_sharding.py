@@ -23,12 +23,15 @@ class ExpertSplit(Sharding):
     tensor-parallel ranks; with it, experts are spread over the ranks
     (:meth:`Parallel.expert_slots`) and kept whole. ``input_major``: a checkpoint tensor holding
     every expert at once stores each expert's matrix transposed (Llama 4, gpt-oss
-    ``gate_up_proj [E, H, 2I]``); per-expert tensors are ``[out, in]`` as usual.
+    ``gate_up_proj [E, H, 2I]``); per-expert tensors are ``[out, in]`` as usual. ``flat``: such a
+    tensor stacks the experts along its first stored dimension, ``[E * rows, cols]`` (DBRX's
+    ``ffn.experts.mlp.w1 [E * I, d]``; with ``input_major``, ``w2 [E * I, d]``).
     """
 
     num_experts: int
     inner: Sharding
     input_major: bool = False
+    flat: bool = False
 
     def __post_init__(self) -> None:
         if self.num_experts < 1:
@@ -70,6 +73,13 @@ class ExpertSplit(Sharding):
             (((e, e + 1),) + src, ((s, s + 1),) + dst, (s, seg)) for s, e in enumerate(held) for src, dst, seg in inner.pairs
         )
         zeros = tuple(((s, s + 1),) + z for s in range(len(held)) for z in inner.zeros)
+        if self.flat:  # expert e's rows start at e * rows of the stored first dimension
+            k = 1 if self.input_major else 0  # that dimension, in destination orientation
+            n = inner.expected[k]
+            fold = lambda box, e: box[:k] + ((box[k][0] + e * n, box[k][1] + e * n),) + box[k + 1 :]
+            pairs = tuple((fold(src, e), ((s, s + 1),) + dst, (s, seg)) for s, e in enumerate(held) for src, dst, seg in inner.pairs)
+            expected = inner.expected[:k] + (self.num_experts * n,) + inner.expected[k + 1 :]
+            return Part(pairs, zeros, expected, inner.check, transpose=self.input_major, repeat=inner.repeat)
         expected = (self.num_experts,) + inner.expected
         return Part(pairs, zeros, expected, inner.check, transpose=self.input_major, repeat=_lead(inner.repeat))
 
@@ -84,7 +94,8 @@ class ExpertSplit(Sharding):
         return None if dim is None else dim + 1
 
     def to_json(self) -> dict[str, Any]:
-        return {"kind": "experts", "num_experts": self.num_experts, "inner": self.inner.to_json(), "input_major": self.input_major}
+        out = {"kind": "experts", "num_experts": self.num_experts, "inner": self.inner.to_json(), "input_major": self.input_major}
+        return {**out, "flat": True} if self.flat else out
 
 
 @dataclass(frozen=True, slots=True)

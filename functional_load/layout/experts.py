@@ -11,9 +11,10 @@ with vLLM's MoE differences (:func:`from_linears`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from ..errors import ConfigError
-from ..model.expressions import Scope
+from ..model.expressions import Scope, evaluate
 from ..model.spec import ModuleSpec
 from .expert_sharding import ExpertSplit, FirstRank
 from .quantized import Experts, Linear, ParamDef, Scheme
@@ -29,7 +30,11 @@ def expert_params(module: ModuleSpec, scope: Scope, dtype: str, scheme: Scheme |
 
     Spec fields: ``experts``, ``in`` (hidden), ``intermediate``; ``bias`` (``"none"``,
     ``"all"``, or ``"first_rank"``: w2's bias on the first rank only, gpt-oss); ``interleaved``
-    (gate and up rows alternate); ``input_major`` (fused checkpoint tensors are ``[E, in, out]``).
+    (gate and up rows alternate); ``input_major`` (fused checkpoint tensors are ``[E, in, out]``);
+    ``pad`` (with tp > 1, each rank allocates at least this many intermediate rows, zero past its own);
+    ``flat`` (a tensor holding every expert is ``[E * rows, cols]``: DBRX); ``gated`` (an
+    expression, default true; false: non-gated experts, whose ``w13`` is ``w1`` alone,
+    ``[E, I, H]``, as vLLM's ``is_act_and_mul=False`` experts: Nemotron-H's relu2).
     """
     f, where = module.fields, module.pattern
     experts = scope.int(f["experts"], f"{where}.experts")
@@ -43,14 +48,35 @@ def expert_params(module: ModuleSpec, scope: Scope, dtype: str, scheme: Scheme |
     params = plain(shape, dtype) if scheme is None else scheme.expert_params(shape, dtype)
     if bias != "none" and not any(p.role == "bias" for p in params):
         params += biases(shape, dtype, bias, w13_split(shape.intermediate, shape.interleaved))
-    input_major = bool(f.get("input_major", False)) and scheme is None
+    # input_major: true (both w13 and w2) or the one of them ("w13", "w2") stored input-major
+    major = f.get("input_major", False)
+    majors = {"w13_weight", "w2_weight"} if major is True else {f"{major}_weight"} if isinstance(major, str) else set()
+    input_major = bool(majors) and scheme is None
+    flat = bool(f.get("flat", False))
+    if flat and scheme is not None:
+        raise ConfigError(f"{where}: experts stored flat (flat = true) are described for plain experts only")
+    if not evaluate(f.get("gated", True), scope):  # non-gated experts (relu2: up and down only): w13 holds w1 alone
+        if scheme is not None or shape.interleaved or bias != "none":
+            raise ConfigError(f"{where}: non-gated experts (gated = {f['gated']!r}) are described for plain experts only")
+        one = Split(0, (Segment("w1", inter, label="expert intermediate rows"),))
+        params = [p._replace(shape=(inter, hidden), sharding=one) if p.suffix == "w13_weight" else p for p in params]
+    pad = scope.int(f.get("pad", 0), f"{where}.pad")
+    if pad:  # with tp > 1 (not expert-parallel), each rank's intermediate rows padded with zeros to >= pad
+        if scheme is not None or shape.interleaved or bias != "none":
+            raise ConfigError(f"{where}: padded expert intermediate rows (pad = {f['pad']!r}) are described for plain experts only")
+        params = [p._replace(sharding=_padded(p.sharding, pad)) for p in params]
     return [
         p._replace(
             suffix=f"routed_experts.{p.suffix}", shape=(experts, *p.shape),
-            sharding=ExpertSplit(experts, p.sharding, input_major and p.suffix in ("w13_weight", "w2_weight")),
+            sharding=ExpertSplit(experts, p.sharding, input_major and p.suffix in majors, flat),
         )
         for p in params
     ]
+
+
+def _padded(split: Sharding, pad: int) -> Sharding:
+    assert isinstance(split, Split)
+    return replace(split, segments=tuple(replace(s, pad=pad) for s in split.segments))
 
 
 def w13_split(inter: int, interleaved: bool, unit: int = 1, uneven: bool = False) -> Split:

@@ -41,7 +41,10 @@ def _linear(module: ModuleSpec, scope: Scope) -> Linear:
         unit = scope.int(f.get("unit", 1), f"{module.pattern}.unit")
         replicate = bool(evaluate(f.get("replicate", False), scope))  # a column of KV heads (vLLM replicates them too)
         segments = (Segment(0, out, unit, replicate, label=f.get("label", "output rows")),)
-    return Linear(kind, in_size, segments, bool(f.get("disable_tp", False)), str(f.get("stored", "concat")))
+    # disable_tp (an expression): every rank holds the whole layer (vLLM's disable_tp, or a
+    # ReplicatedLinear of some configurations only: GPTBigCode's multi-head attention)
+    disable_tp = bool(evaluate(f.get("disable_tp", False), scope))
+    return Linear(kind, in_size, segments, disable_tp, str(f.get("stored", "concat")))
 
 
 def _units(rows: int, unit: int, where: str) -> int:
@@ -70,7 +73,7 @@ def sections(fields: Mapping[str, object], key: str, scope: Scope, where: str) -
 def _linear_params(linear: Linear, scheme: Scheme | None, model_dtype: str, has_bias: bool) -> list[ParamDef]:
     """Weight (or the scheme's quantized tensors) and the unquantized bias."""
     if linear.kind == "row":
-        weight: Sharding = Split(1, (Segment(0, linear.in_size, label="input columns"),))
+        weight: Sharding = Split(1, (Segment(0, linear.in_size, label="input columns"),), linear.disable_tp)
         bias: Sharding = Replicated()
     elif linear.kind == "replicated_linear":
         weight = bias = Replicated()
@@ -100,19 +103,24 @@ def module_params(
     if module.kind == "replicated":
         params: list[ParamDef] = []
         for suffix, shape in f["params"].items():
-            pinned = dtype
-            if isinstance(shape, Mapping):  # {shape = [...], dtype = "float32", when = "..."}
+            pinned, squeeze = dtype, False
+            if isinstance(shape, Mapping):  # {shape = [...], dtype = "float32", when = "...", squeeze = true}
                 if not evaluate(shape.get("when", True), scope):
                     continue
-                shape, pinned = shape["shape"], shape.get("dtype", dtype)
-            params.append(ParamDef(suffix, tuple(scope.int(d, f"{module.pattern}.{suffix}") for d in shape), Replicated(), pinned))
+                shape, pinned, squeeze = shape["shape"], shape.get("dtype", dtype), bool(shape.get("squeeze", False))
+            dims = tuple(scope.int(d, f"{module.pattern}.{suffix}") for d in shape)
+            params.append(ParamDef(suffix, dims, Replicated(squeeze), pinned))
         return params
     if module.kind == "heads":  # one value per attention head, split with the heads (gpt-oss sinks)
         heads = scope.int(f["heads"], f"{module.pattern}.heads")
         split = Split(0, (Segment(0, heads, label="attention heads"),))
         return [ParamDef(suffix, (heads,), split, dtype) for suffix in f["params"]]
     if module.kind == "params":  # parameters of their own, each split along one dimension or replicated
-        return [_param(suffix, fields, scope, f"{module.pattern}.{suffix}", dtype) for suffix, fields in f["params"].items()]
+        return [
+            _param(suffix, fields, scope, f"{module.pattern}.{suffix}", dtype)
+            for suffix, fields in f["params"].items()
+            if evaluate(fields.get("when", True), scope)  # a parameter of some configs only (Mamba's conv1d bias)
+        ]
     if module.kind == "kv_cache":  # the quantization method's KV-cache parameters (none when unquantized)
         kv = quant.kv_params if quant else ()
         return [
@@ -138,9 +146,12 @@ TRANSFORMS = ("neg_exp",)  # what a loader computes from the stored values (Mamb
 def _param(suffix: str, fields: Mapping[str, object], scope: Scope, where: str, dtype: str) -> ParamDef:
     """One parameter of a ``params`` module: ``shape``; ``split`` (the dimension split over the
     ranks, with ``sections``/``units``/``replicate`` along it; absent: replicated); ``dtype``;
-    ``transform`` (a value vLLM's loader computes from the stored one)."""
+    ``transform`` (a value vLLM's loader computes from the stored one); ``when`` (the parameter
+    exists only when it holds); ``squeeze`` (the checkpoint may store it with extra size-1
+    dimensions, as vLLM's loader accepts: Kimi-Linear's A_log)."""
     shape = tuple(scope.int(d, f"{where}.shape") for d in fields["shape"])  # type: ignore[attr-defined]
-    sharding: Sharding = Replicated()
+    squeeze = bool(fields.get("squeeze", False))
+    sharding: Sharding = Replicated(squeeze)
     if "split" in fields:
         dim = scope.int(fields["split"], f"{where}.split")
         if not 0 <= dim < len(shape):
@@ -150,7 +161,7 @@ def _param(suffix: str, fields: Mapping[str, object], scope: Scope, where: str, 
         segments = sections(spec, "sections", scope, where)
         if sum(s.rows for s in segments) != shape[dim]:
             raise ConfigError(f"{where}: sections {[s.rows for s in segments]} do not add up to dimension {dim} of {list(shape)}")
-        sharding = Split(dim, segments)
+        sharding = Split(dim, segments, squeeze=squeeze)
     transform = fields.get("transform")
     if transform is not None and transform not in TRANSFORMS:
         raise ConfigError(f"{where}: transform {transform!r} is unknown; known: {TRANSFORMS}")
@@ -180,7 +191,7 @@ def _experts_scheme(module: ModuleSpec, name: str, quant: Quantization | None, s
         for rule in table.rules
         if rule.kind == "expert"
     ] or [name]
-    schemes = {s: quant.scheme_for(s, [s]) for s in sources}
+    schemes = {s: quant.scheme_for(name, [s]) for s in sources}  # vLLM matches its FusedMoE prefix, the layer's
     if any(s is not None and s.online for s in schemes.values()):
         raise ConfigError(
             f"{name}: quantizing MoE experts while loading ({quant.method}) is not supported yet; vLLM would "

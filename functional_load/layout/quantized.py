@@ -79,7 +79,7 @@ class Linear:
         """Sharding of a tensor whose ``dim`` runs over ``count`` input units (columns, packs, groups)."""
         if not self.row:
             return Replicated()
-        return Split(dim, (Segment(0, count, label=label),))
+        return Split(dim, (Segment(0, count, label=label),), self.disable_tp)
 
     def weight_split(self, dim_in: int = 1, inputs: int | None = None, label: str = "input columns") -> Sharding:
         """A weight ``[out, in]`` (or ``[out, in / pack]``: ``inputs`` units) as the layer splits it."""

@@ -36,6 +36,9 @@ class Segment:
     replicate: bool = False
     label: str = "rows"  # what a unit is, for error messages: "attention heads", "KV heads"...
     uneven: bool = False
+    # with tp > 1, every rank allocates at least this many rows for the segment, its own rows first
+    # and zeros after (Kimi-Linear's experts: min_moe_intermediate_per_partition)
+    pad: int = 0
 
     def __post_init__(self) -> None:
         if self.count < 0 or self.unit < 1:
@@ -91,17 +94,24 @@ def segment_rows(segment: Segment, tp_size: int, rank: int) -> Range:
         replicas = tp_size // segment.count
         unit_index = rank // replicas
         return unit_index * segment.unit, (unit_index + 1) * segment.unit
-    per_rank = segment_width(segment, tp_size)
+    per_rank = _share(segment, tp_size)
     return min(rank * per_rank, segment.rows), min((rank + 1) * per_rank, segment.rows)
 
 
-def segment_width(segment: Segment, tp_size: int) -> int:
-    """Local rows every rank allocates for ``segment`` (an uneven one's last ranks pad with zeros)."""
+def _share(segment: Segment, tp_size: int) -> int:
+    """Rows of ``segment`` each rank reads (the last ranks of an uneven one read fewer)."""
     if segment.replicate and 0 < segment.count < tp_size:
         return segment.unit
     if segment.uneven:
         return -(-segment.count // tp_size) * segment.unit
     return segment.count // tp_size * segment.unit
+
+
+def segment_width(segment: Segment, tp_size: int) -> int:
+    """Local rows every rank allocates for ``segment`` (an uneven one's last ranks pad with zeros;
+    with ``pad`` and tp > 1, at least ``pad`` rows, zero past the rank's own)."""
+    share = _share(segment, tp_size)
+    return max(share, segment.pad) if segment.pad and tp_size > 1 else share
 
 
 def segment_pieces(segments: tuple[Segment, ...], tp_size: int, rank: int) -> tuple[Piece, ...]:

@@ -9,7 +9,7 @@ it is built.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..errors import ConfigError, ShardingError
@@ -123,7 +123,25 @@ class Sharding:
 
 @dataclass(frozen=True, slots=True)
 class Replicated(Sharding):
-    """Every rank holds the whole tensor (norms, routers, biases of row-parallel layers)."""
+    """Every rank holds the whole tensor (norms, routers, biases of row-parallel layers).
+
+    ``squeeze``: the checkpoint may store the tensor with extra leading dimensions of size 1, which
+    vLLM's loader squeezes away (ERNIE-4.5's ``moe_statics.e_score_correction_bias`` ``[1, E]``)."""
+
+    squeeze: bool = False
+
+    def part(
+        self, shape: tuple[int, ...], shard_id: ShardId | None, expert: int | None, parallel: Parallel, found: tuple[int, ...]
+    ) -> Part | None:
+        lead = len(found) - len(shape)
+        if self.squeeze and lead > 0 and found[lead:] == shape and set(found[:lead]) == {1}:
+            _no_expert(expert)
+            _no_shard_id("replicated", shard_id)
+            return Part(((full_box(found), full_box(shape), None),), (), found)
+        return Sharding.part(self, shape, shard_id, expert, parallel, found)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "replicated", "squeeze": True} if self.squeeze else {"kind": "replicated"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +158,9 @@ class Split(Sharding):
     segments: tuple[Segment, ...]
     disable_tp: bool = False
     stored: str = "concat"  # a tensor holding every segment orders them so on disk ("grouped": per KV group)
+    # the checkpoint may store the tensor with extra dimensions of size 1, which vLLM's loader views
+    # away (Kimi-Linear's A_log [1, 1, heads, 1] for a [heads] parameter)
+    squeeze: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "segments", tuple(self.segments))
@@ -177,6 +198,13 @@ class Split(Sharding):
         ids = [s.id for s in self.segments]
         if shard_id is None:
             return ids
+        if isinstance(shard_id, tuple):  # consecutive segments stored back to back in one tensor
+            for one in shard_id:
+                self.segment_ids(one)
+            start = ids.index(shard_id[0]) if shard_id else -1
+            if not shard_id or list(shard_id) != ids[start : start + len(shard_id)]:
+                raise ShardingError(f"Shard id with multiple indices should be consecutive. Got shard id {shard_id}.")
+            return list(shard_id)
         if all(isinstance(i, str) for i in ids):  # QKV: vLLM's message
             if shard_id not in ids:
                 raise ShardingError(f"shard id for a QKV parameter should be 'q', 'k', or 'v', got shard id {shard_id!r}")
@@ -190,12 +218,19 @@ class Split(Sharding):
     def part(
         self, shape: tuple[int, ...], shard_id: ShardId | None, expert: int | None, parallel: Parallel, found: tuple[int, ...]
     ) -> Part:
+        part = self._part(shape, shard_id, expert, parallel)
+        if self.squeeze and found != part.expected and _ones_removed(found) == _ones_removed(part.expected):
+            lift = lambda box: _unsqueeze_box(box, part.expected, found)
+            return replace(part, pairs=tuple((lift(src), dst, slot) for src, dst, slot in part.pairs), expected=found)
+        return part
+
+    def _part(self, shape: tuple[int, ...], shard_id: ShardId | None, expert: int | None, parallel: Parallel) -> Part:
         _no_expert(expert)
         ids = self.segment_ids(shard_id)
         rows = sum(s.rows for s in self.segments if s.id in ids)
         expected = with_range(full_box(shape), self.dim, (0, rows))
         local = full_box(self.local_shape(shape, parallel))
-        offsets = segment_offsets(self.segments) if shard_id is None else {shard_id: 0}
+        offsets = segment_offsets(self.segments if shard_id is None else tuple(s for s in self.segments if s.id in ids))
         pieces = [p for p in self.pieces(parallel) if p.segment in ids]
         if shard_id is None and self.stored == "grouped":  # one pair per run of the rows as stored
             pairs = tuple(
@@ -238,7 +273,19 @@ class Split(Sharding):
 
     def to_json(self) -> dict[str, Any]:
         segments = [{"id": g.id, "count": g.count, "unit": g.unit, "replicate": g.replicate} for g in self.segments]
-        return {"kind": "split", "dim": self.dim, "segments": segments, "disable_tp": self.disable_tp, "stored": self.stored}
+        out = {"kind": "split", "dim": self.dim, "segments": segments, "disable_tp": self.disable_tp, "stored": self.stored}
+        return {**out, "squeeze": True} if self.squeeze else out
+
+
+def _ones_removed(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(n for n in shape if n != 1)
+
+
+def _unsqueeze_box(box: Box, shape: tuple[int, ...], found: tuple[int, ...]) -> Box:
+    """``box`` of a tensor of ``shape`` as a box of the same elements viewed as ``found`` (the
+    same dimensions with size-1 ones added or removed)."""
+    ranges = iter(r for r, n in zip(box, shape) if n != 1)
+    return tuple((0, 1) if n == 1 else next(ranges) for n in found)
 
 
 @dataclass(frozen=True, slots=True)

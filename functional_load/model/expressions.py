@@ -2,7 +2,8 @@
 
 A tiny subset of Python over config keys and earlier dims: names, numbers, ``+ - * / // % **``,
 comparisons (``in`` too), ``and``/``or``/``not``, ``x if c else y``, attribute access into a
-nested config (``vision_config.hidden_size``) and items of config lists (``layer_types[layer]``). A missing config key is ``None``, so
+nested config (``vision_config.hidden_size``), items of config lists (``layer_types[layer]``) and
+``len(x)`` of a config list (0 when missing), ``int(x)`` (a float truncated, as Python's). A missing config key is ``None``, so
 ``"num_key_value_heads or num_attention_heads"`` is a fallback; a key the config lacks at the top
 level is read from its ``text_config`` (multimodal models).
 """
@@ -94,12 +95,29 @@ def evaluate(expr: str | int | float | bool, lookup: Mapping[str, Any] | Any) ->
             return _CMPOPS[type(node.ops[0])](ev(node.left), ev(node.comparators[0]))
         if isinstance(node, ast.IfExp):
             return ev(node.body) if ev(node.test) else ev(node.orelse)
-        if isinstance(node, ast.Subscript):  # an item of a config list or dict: layer_types[layer]
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "len" and len(node.args) == 1 \
+                and not node.keywords:
+            value = ev(node.args[0])  # the length of a config list (vision_config.deepstack_visual_indexes); missing: 0
+            if value is None:
+                return 0
+            if not isinstance(value, (list, tuple, Mapping, str)):
+                raise ConfigError(f"spec expression {expr!r}: {ast.unparse(node.args[0])!r} is {value!r:.60}, which has no length")
+            return len(value)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "int" and len(node.args) == 1 \
+                and not node.keywords:
+            value = _number(ev(node.args[0]), node.args[0])  # Python's int(): a float truncated (LFM2's int(2 * ff / 3))
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"spec expression {expr!r}: {ast.unparse(node.args[0])!r} is {value!r:.60}, not a number")
+            return int(value)
+        if isinstance(node, ast.Subscript):  # an item of a config list, string or dict: layer_types[layer]
             outer, key = ev(node.value), ev(node.slice)
-            if isinstance(outer, (list, tuple)) and isinstance(key, int) and not isinstance(key, bool) and -len(outer) <= key < len(outer):
+            sequence = isinstance(outer, (list, tuple, str))
+            if sequence and isinstance(key, int) and not isinstance(key, bool) and -len(outer) <= key < len(outer):
                 return outer[key]
-            if isinstance(outer, Mapping):
-                return outer.get(key)
+            if outer is None:  # a missing config list or dict has no items: None, as a missing key
+                return None
+            if isinstance(outer, Mapping):  # JSON keys a dict by layer number as strings: per_layer_config[layer]
+                return outer.get(key) if key in outer or not isinstance(key, int) else outer.get(str(key))
             raise ConfigError(
                 f"spec expression {expr!r}: {ast.unparse(node.value)!r} is {outer!r:.60}, which has no item {key!r}; check config.json"
             )

@@ -22,7 +22,9 @@ from dataclasses import dataclass, replace
 from functools import cache
 from typing import Any, Literal, cast
 
-ShardId = int | str  # which part of a fused parameter a tensor fills: "q", "k", "v", 0, 1...
+# which part of a fused parameter a tensor fills: "q", "k", "v", 0, 1...; a tuple of consecutive
+# segments (0, 1, 2): one tensor holding them back to back (vLLM's tuple shard id, Qwen3.5's in_proj_qkv)
+ShardId = int | str | tuple[int, ...]
 
 RuleKind = Literal["interleaved", "rename", "regex", "substr", "expert", "stacked", "prefix", "suffix"]
 RULE_KINDS: tuple[RuleKind, ...] = ("interleaved", "rename", "regex", "substr", "expert", "stacked", "prefix", "suffix")
@@ -108,6 +110,13 @@ class Rule:
         return name.replace(self.pattern, new, 1)
 
 
+def shard_id_tuple(ids: Any) -> tuple[ShardId, ...]:
+    """A rule's shard ids from its spec value: one id, or a list of them; a list inside the list is
+    one id of consecutive segments (``[[0, 1, 2]]``: a tensor holding segments 0, 1 and 2)."""
+    items = ids if isinstance(ids, (list, tuple)) else [ids]
+    return tuple(tuple(i) if isinstance(i, (list, tuple)) else i for i in items)
+
+
 @dataclass(frozen=True, slots=True)
 class Mapped:
     """Where a checkpoint tensor goes. Empty ``shard_ids``: it fills the whole parameter (or all
@@ -145,7 +154,7 @@ class MappingTable:
                     rules.append(Rule(kind, pattern, None))
                 elif kind in _TAGGING:
                     new, ids = cast(tuple[str, Any], value)
-                    shard_ids = tuple(ids) if isinstance(ids, (list, tuple)) else (ids,)
+                    shard_ids = shard_id_tuple(ids)
                     rules.append(Rule(kind, pattern, new, shard_ids))
                 else:
                     rules.append(Rule(kind, pattern, value))  # type: ignore[arg-type]

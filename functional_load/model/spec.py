@@ -19,7 +19,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ..errors import ConfigError
-from .mapping import RULE_KINDS, MappingTable, Rule
+from .mapping import RULE_KINDS, MappingTable, Rule, shard_id_tuple
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -62,12 +62,15 @@ class DropSpec:
     """Checkpoint tensors that are not this model's parameters, with why: every name starting
     with ``prefix``, for each ``{layer}`` in ``[first, stop)`` (expressions over the config) when
     the prefix has one: e.g. DeepSeek-V3's multi-token-prediction layers past ``num_hidden_layers``,
-    or a multimodal checkpoint's ``vision_model.``."""
+    or a multimodal checkpoint's ``vision_model.``. ``when`` (an expression, with ``layer`` bound
+    for a prefix holding ``{layer}``) keeps only the layers it holds for: the indexer weights
+    DeepSeek-V3.2 ships for the layers whose indexer vLLM does not build."""
 
     prefix: str
     reason: str
     first: str | int = 0
     stop: str | int = 1
+    when: str | bool = True
 
     def __post_init__(self) -> None:
         if self.prefix.count("{layer}") > 1:
@@ -86,10 +89,16 @@ class RefuseSpec:
 
 @dataclass(frozen=True, slots=True)
 class Stage:
-    """One mapping table, applied only when ``when`` (an expression over the config) holds."""
+    """One mapping table, applied only when ``when`` (an expression over the config) holds.
+
+    With ``layers`` (an expression: a layer count), the table is per layer, as vLLM's mappers
+    built layer by layer (Gemma 4's KV-shared and k-equals-v layers): every ``{layer}`` of its
+    rules is instantiated for each layer ``n`` below the count for which ``when`` holds with
+    ``layer = n``."""
 
     table: MappingTable
     when: str | bool = True
+    layers: str | int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +122,7 @@ class ArchSpec:
 def _stage(stage: Mapping[str, Any], where: str) -> Stage:
     rules = []
     for kind, entries in stage.items():
-        if kind in ("when", "replace"):
+        if kind in ("when", "replace", "layers"):
             continue
         if kind not in RULE_KINDS:
             raise ConfigError(f"{where}: unknown mapping rule kind {kind!r}; expected one of {RULE_KINDS}")
@@ -124,10 +133,10 @@ def _stage(stage: Mapping[str, Any], where: str) -> Stage:
                 rules.append(Rule(kind, pattern, None))
             elif kind in ("stacked", "expert"):
                 new, ids = value
-                rules.append(Rule(kind, pattern, new, tuple(ids) if isinstance(ids, list) else (ids,)))
+                rules.append(Rule(kind, pattern, new, shard_id_tuple(ids)))
             else:
                 rules.append(Rule(kind, pattern, None if value is False else value))
-    return Stage(MappingTable(tuple(rules)), stage.get("when", True))
+    return Stage(MappingTable(tuple(rules)), stage.get("when", True), stage.get("layers"))
 
 
 def parse_spec(data: Mapping[str, Any], source: str = "<spec>") -> ArchSpec:
@@ -187,16 +196,17 @@ def spec_dirs() -> list[Path]:
 
 
 def _all_raw() -> dict[str, tuple[dict[str, Any], str]]:
-    """Every spec by name: those on the search path first (they replace a built-in of the same
-    name), then the built-in ones."""
-    raw = _builtin_raw()
-    for directory in reversed(spec_dirs()):
+    """Every spec by name, in the order a config's architecture is looked up: those on the search
+    path first (the first directory first; they replace a built-in of the same name, and serve an
+    architecture a built-in serves too), then the built-in ones."""
+    found: dict[str, tuple[dict[str, Any], str]] = {}
+    for directory in spec_dirs():
         if not directory.is_dir():
             raise ConfigError(f"{SPEC_PATH_ENV} names {directory}, which is not a directory of spec .toml files")
         for path in sorted(directory.glob("*.toml")):
             data = _read_toml(path.read_text(), str(path))
-            raw[data.get("name", path.stem)] = (data, str(path))
-    return raw
+            found.setdefault(data.get("name", path.stem), (data, str(path)))
+    return {**found, **{name: entry for name, entry in _builtin_raw().items() if name not in found}}
 
 
 def _resolve(
@@ -261,10 +271,31 @@ def builtin_specs() -> dict[str, ArchSpec]:
     return {name: parse_spec(_resolve(data, source, raw), source) for name, (data, source) in raw.items()}
 
 
+_PARSED: dict[tuple[tuple[str, int, int], ...], dict[str, ArchSpec]] = {}  # spec files' stamps -> their specs
+
+
+def _stamps() -> tuple[tuple[str, int, int], ...] | None:
+    """(path, size, mtime) of every spec file a load can pick; None where one cannot be stat'ed."""
+    try:
+        paths = [str(e) for e in resources.files("functional_load.specs").iterdir() if e.name.endswith(".toml")]
+        paths += [str(p) for d in spec_dirs() if d.is_dir() for p in d.glob("*.toml")]
+        return tuple((path, (st := os.stat(path)).st_size, st.st_mtime_ns) for path in sorted(paths))
+    except OSError:
+        return None
+
+
 def available_specs() -> dict[str, ArchSpec]:
-    """Every spec a load can pick: ``$FUNCTIONAL_LOAD_SPEC_PATH``'s, then the built-in ones."""
+    """Every spec a load can pick: ``$FUNCTIONAL_LOAD_SPEC_PATH``'s, then the built-in ones
+    (parsed once while no spec file changes)."""
+    stamps = _stamps()
+    if stamps is not None and stamps in _PARSED:
+        return dict(_PARSED[stamps])
     raw = _all_raw()
-    return {name: parse_spec(_resolve(data, source, raw), source) for name, (data, source) in raw.items()}
+    specs = {name: parse_spec(_resolve(data, source, raw), source) for name, (data, source) in raw.items()}
+    if stamps is not None:
+        _PARSED.clear()
+        _PARSED[stamps] = specs
+    return dict(specs)
 
 
 def find_spec(name_or_path: str | Path) -> ArchSpec:
