@@ -925,3 +925,25 @@ def test_gptq_v1_zero0_adds_0x11111111_to_whole_words(tp: int) -> None:
         deq = [fl.dequantize(loaded(name, tp, r), f"{L0}.{module}") for r in range(tp)]
         for part, whole in reassemble(name, module, deq).items():
             assert torch.equal(whole, word[f"{L0}.{part}"]), f"{module} {part}"
+
+
+def test_gptq_dynamic_rules_leave_modules_unquantized_as_vllm_matches_them():
+    """GPTQ's ``dynamic`` "-:" rules (auto-round writes one for the Qwen3-MoE router) are matched
+    on vLLM's module names: the module is built unquantized even with no checkpoint to learn the
+    dtypes from (a dummy load); overrides of bits or group size are refused, not ignored."""
+    from functional_load.quant.gptq import dynamic_skips, parse_gptq
+
+    base = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True}
+    quant = parse_gptq({**base, "dynamic": {r"-:.*model\.layers\.0\.mlp\.gate.*": {}}})
+    assert quant.scheme_for("model.layers.0.mlp.gate", ["model.layers.0.mlp.gate"]) is None
+    assert quant.scheme_for("model.layers.1.mlp.gate", ["model.layers.1.mlp.gate"]) is not None
+    # vLLM matches the fused module's own name: gate_up_proj matches ".*mlp\.gate.*" as a whole
+    assert quant.scheme_for("model.layers.0.mlp.gate_up_proj", ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"]) is None
+    with pytest.raises(ConfigError, match="per-module GPTQ overrides are not supported"):
+        dynamic_skips({r"+:.*down_proj.*": {"bits": 8}})
+    with pytest.raises(ConfigError, match="follows the positive rule"):
+        dynamic_skips({r"+:.*q_proj.*": {}, r"-:.*mlp.*": {}})
+    assert dynamic_skips({r"+:.*q_proj.*": {}}) == ()
+    plan = fl.plan(QUANT / "ar_qwen3moe_gptq", load_format="dummy")  # no headers read: the rule alone decides
+    assert "model.layers.0.mlp.gate.weight" in {p.spec.name for p in plan.params}
+    assert "model.layers.0.mlp.gate.qweight" not in {p.spec.name for p in plan.params}

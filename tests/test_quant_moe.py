@@ -33,7 +33,7 @@ from functional_load.io import ReadOptions, execute, reader_for
 MOE = (
     "llmc_qwen3moe_fp8", "llmc_qwen3moe_fp8_block", "llmc_qwen3moe_w4a16_experts", "llmc_mixtral_fp8_block",
     "llmc_dsv3_fp8_block", "llmc_dsv3_w4a16_experts", "hf_fp8_dsv3", "hf_fp8_dsv3_mtp", "hf_fp8_qwen3moe",
-    "ar_mixtral_gptq", "ar_mixtral_awq", "gptoss_mxfp4",
+    "ar_mixtral_gptq", "ar_qwen3moe_gptq", "ar_mixtral_awq", "gptoss_mxfp4",
     # the 2026 formats (llm-compressor, ModelOpt, Quark): FP8 per-channel experts, NVFP4, MXFP4, MXFP8
     "llmc_qwen3moe_fp8_dynamic", "llmc_qwen3moe_nvfp4", "llmc_qwen3moe_nvfp4a16", "llmc_qwen3moe_mxfp4",
     "llmc_qwen3moe_mxfp4a16", "llmc_qwen3moe_mxfp8", "llmc_qwen3moe_mxfp8a16", "modelopt_qwen3moe_fp8",
@@ -129,10 +129,13 @@ def test_routers_equal_the_checkpoint(name: str) -> None:
     routers = [n for n in state if n.endswith(ROUTERS)]
     assert routers, f"{name}: no router"
     tensors = ckpt(name)
+    dtype = getattr(torch, json.loads((QUANT / name / "config.json").read_text()).get("dtype", "bfloat16"))
     for router in routers:
         stored = tensors[router]
-        assert state[router].dtype == stored.dtype, f"{router}: vLLM keeps routers unquantized, as stored"
-        assert torch.equal(state[router], stored), router
+        assert stored.is_floating_point(), f"{router}: stored unquantized"
+        # vLLM keeps routers unquantized, in the model dtype (ar_qwen3moe_gptq: bf16 stored, config float16)
+        assert state[router].dtype == dtype, f"{router}: vLLM keeps routers unquantized, in the model dtype"
+        assert torch.equal(state[router], stored.to(dtype)), router
 
 
 @pytest.mark.parametrize("name", ["llmc_qwen3moe_w4a16_experts", "hf_fp8_dsv3_mtp", "gptoss_mxfp4", "ar_mixtral_awq"])
@@ -255,6 +258,32 @@ def test_unequal_w1_w3_input_scales_are_refused(tmp_path: Path) -> None:
     _edit(model, "model.layers.0.mlp.experts.3.up_proj.input_scale", lambda t: t * 2)
     with pytest.raises(CheckpointError, match=r"experts\.3\.gate_proj\.input_scale.*experts\.3\.up_proj\.input_scale"):
         fl.load(model, tp_size=1, rank=0)
+
+
+@pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic-skips-router", "dtype-detected"])
+def test_qwen3moe_gptq_bf16_router_loads_unquantized(tmp_path: Path, dynamic: bool) -> None:
+    """Issue 23: GPTQ Qwen3-MoE checkpoints with a bf16 router were refused. auto-round also names the
+    router in ``dynamic`` ("-:" skips it); without that entry vLLM learns the unquantized modules from
+    the safetensors dtypes (AutoGPTQConfig.maybe_update_config). Both load, the router as a float
+    ``mlp.gate.weight`` while attention and experts stay GPTQ (parity: identical to vLLM either way)."""
+    model = _copy("ar_qwen3moe_gptq", tmp_path)
+    if not dynamic:
+        for file, key in (("config.json", "quantization_config"), ("quantization_config.json", None)):
+            config = json.loads((model / file).read_text())
+            del (config[key] if key else config)["dynamic"]
+            (model / file).write_text(json.dumps(config))
+    router = "model.layers.0.mlp.gate.weight"
+    stored = ckpt("ar_qwen3moe_gptq")[router]
+    assert stored.dtype == torch.bfloat16
+    for tp in (1, 2):
+        for rank in range(tp):
+            state = fl.load(model, tp_size=tp, rank=rank)
+            assert "model.layers.0.mlp.gate" not in state.plan.schemes
+            assert {"model.layers.0.self_attn.qkv_proj", "model.layers.0.mlp.experts"} <= set(state.plan.schemes)
+            assert not [n for n in state if n.startswith("model.layers.0.mlp.gate.") and n != router]
+            assert state[router].dtype == torch.float16  # the config's dtype, as vLLM casts it
+            assert torch.equal(state[router], stored.to(torch.float16))
+            assert state["model.layers.0.mlp.experts.routed_experts.w13_qweight"].dtype == torch.int32
 
 
 def test_modelopt_mxfp4_is_refused_as_vllm_refuses_it() -> None:

@@ -40,6 +40,9 @@ class QuantConfig:
     # safetensors metadata), so a router stored in bf16 stays unquantized.
     quantized: tuple[str, ...] | None = None
     detect: bool = False
+    # regexes (``re.match``) of vLLM module names vLLM builds unquantized whatever else the config
+    # says (GPTQ's ``dynamic`` "-:" rules, matched on vLLM's module prefix as vLLM matches them)
+    skip: tuple[str, ...] = ()
 
     def quantizes(self, kind: str) -> bool:
         """Whether the method quantizes modules of ``kind`` (``"linear"`` or ``"experts"``)."""
@@ -56,6 +59,8 @@ class QuantConfig:
 
     def scheme_for(self, module: str, sources: Sequence[str]) -> Scheme | None:
         """The scheme of vLLM module ``module`` whose checkpoint parts are ``sources``."""
+        if any(re.match(pattern, module) for pattern in self.skip):
+            return None
         if self.quantized is not None:
             held = [any(layer in s for layer in self.quantized) for s in sources]
             if any(held) and not all(held):

@@ -12,6 +12,7 @@ vLLM skips where its model has none (an optional tensor here, dropped with the r
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -105,4 +106,40 @@ def parse_gptq(qc: Mapping[str, Any], v2: bool | None = None) -> QuantConfig:
         quantized = tuple(n for item in listed for n in (item if isinstance(item, list) else [item]))
         names(quantized, "modules_in_block_to_quantize")
     return QuantConfig("gptq", scheme, ignore_list(qc), mapping=mapping, optional=OPTIONAL_KV + OPTIONAL_BIAS,
-                       quantized=quantized, detect=True)
+                       quantized=quantized, detect=True, skip=dynamic_skips(qc.get("dynamic")))
+
+
+def dynamic_skips(dynamic: Any) -> tuple[str, ...]:
+    """The modules GPTQ's ``dynamic`` rules build unquantized: each ``"-:<regex>"`` key, matched
+    (``re.match``) on vLLM's module name as vLLM matches it (gptq_utils.get_dynamic_override).
+    Positive rules that override a module's bits or group size are refused: they are not
+    supported yet, and a rule vLLM applies first would decide before a later "-:" one."""
+    if not dynamic:
+        return ()
+    if not isinstance(dynamic, Mapping):
+        raise ConfigError(f"config.json quantization_config dynamic must be an object of regex -> overrides, found {dynamic!r:.80}")
+    skips: list[str] = []
+    positive = ""
+    for pattern, overrides in dynamic.items():
+        if not isinstance(pattern, str):
+            raise ConfigError(f"config.json quantization_config dynamic: key {pattern!r} is not a regex string")
+        regex = pattern.removeprefix("-:") if pattern.startswith("-:") else pattern.removeprefix("+:")
+        try:
+            re.compile(regex)
+        except re.error as exc:
+            raise ConfigError(f"config.json quantization_config dynamic: {pattern!r} is not a valid regex ({exc})") from None
+        if pattern.startswith("-:"):
+            if positive:
+                raise ConfigError(
+                    f"config.json quantization_config dynamic: {pattern!r} follows the positive rule {positive!r}, which "
+                    f"vLLM applies first to a module both match; mixed rule orders are not supported yet"
+                )
+            skips.append(regex)
+        elif overrides:
+            raise ConfigError(
+                f"config.json quantization_config dynamic: {pattern!r} overrides {sorted(overrides)} for the modules it "
+                f"matches; per-module GPTQ overrides are not supported yet (only \"-:\" rules, which leave modules unquantized)"
+            )
+        else:
+            positive = positive or pattern
+    return tuple(skips)

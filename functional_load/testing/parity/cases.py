@@ -121,7 +121,7 @@ CORE: tuple[Case, ...] = (
         for name in (
             "llmc_qwen3moe_fp8", "llmc_qwen3moe_fp8_block", "llmc_qwen3moe_w4a16_experts", "llmc_mixtral_fp8_block",
             "llmc_dsv3_fp8_block", "llmc_dsv3_w4a16_experts", "hf_fp8_dsv3", "hf_fp8_dsv3_mtp", "hf_fp8_qwen3moe",
-            "ar_mixtral_gptq", "ar_mixtral_awq",
+            "ar_mixtral_gptq", "ar_qwen3moe_gptq", "ar_mixtral_awq",
             "llmc_qwen3moe_fp8_dynamic", "llmc_qwen3moe_nvfp4", "llmc_qwen3moe_nvfp4a16", "llmc_qwen3moe_mxfp4",
             "llmc_qwen3moe_mxfp4a16", "llmc_qwen3moe_mxfp8", "llmc_qwen3moe_mxfp8a16", "modelopt_qwen3moe_fp8",
             "modelopt_qwen3moe_nvfp4", "modelopt_qwen3moe_w4a16_nvfp4", "modelopt_qwen3moe_mxfp8", "modelopt_qwen3moe_mxfp4",
