@@ -24,6 +24,7 @@ from .model.config import model_dtype, read_config
 from .model.spec import spec_for_config
 from .options import LoadOptions
 from .output.save import save_safetensors
+from .testing.checkspec import check_spec, report
 from .verify import verify_ranks
 
 
@@ -94,6 +95,16 @@ def _verify(args: argparse.Namespace) -> None:
         raise SystemExit(1)
 
 
+def _check_spec(args: argparse.Namespace) -> None:
+    checks = check_spec(
+        args.target, tps=[int(t) for t in args.tp.split(",")], kv_heads=args.kv_heads,
+        work=Path(args.work) if args.work else None, vllm=not args.no_vllm,
+    )
+    print(report(checks))
+    if any(c.status == "FAIL" for c in checks):
+        raise SystemExit(1)
+
+
 def _bench(args: argparse.Namespace) -> None:
     """Run benchmarks/bench_load.py (a source checkout's benchmarks folder) with the given options."""
     import importlib.util
@@ -148,6 +159,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_load)
     p = add("verify", "plan and load every rank of --tp, and check each rank's reads against its plan and the checkpoint")
     p.set_defaults(run=_verify)
+    p = sub.add_parser(
+        "check-spec", help="prove a spec: a tiny transformers checkpoint at every tp, against real vLLM and a forward",
+    )
+    p.add_argument("target", help="a spec .toml file, a spec name or an architecture class name (Qwen3ForCausalLM)")
+    p.add_argument("--tp", default="1,2,4,8", help="tp sizes, comma-separated (default 1,2,4,8)")
+    p.add_argument("--kv-heads", type=int, default=2, help="KV heads of the tiny checkpoint (default 2: GQA, replicated past tp 2)")
+    p.add_argument("--work", default=None, help="keep the checkpoints and vLLM's rank states here (default: a temporary directory)")
+    p.add_argument("--no-vllm", action="store_true", help="skip the real-vLLM comparison even when its environment exists")
+    p.set_defaults(run=_check_spec)
     p = sub.add_parser("bench", help="benchmark loading (cold/hot, tp 1/2/4) against vLLM-style, safetensors and peer loaders")
     p.add_argument("model_dir", nargs="?", help="checkpoint (default /tmp/fl-bench/llama7b-4l, generated when missing)")
     p.add_argument("--quick", action="store_true", help="1-layer checkpoint, one run, fewer variants")
