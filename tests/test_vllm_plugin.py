@@ -20,7 +20,7 @@ import torch
 
 import functional_load as fl
 from functional_load.errors import ConfigError, PlanError
-from functional_load.integrations.vllm import MoePlacement, VllmLoadOptions, check_supported, fill_model, match_model
+from functional_load.integrations.vllm import MoePlacement, VllmLoadOptions, check_supported, fill_model, live_tensors, match_model
 from functional_load.layout.parallel import Parallel
 from functional_load.testing.checkpoints import write_checkpoint
 from functional_load.testing.parity import env
@@ -95,6 +95,32 @@ def test_fill_model_fills_every_parameter_in_place(tiny: Path, tp_rank: tuple[in
         assert tensor.data_ptr() == before[name], f"{name} was replaced, not filled in place"
         assert torch.equal(tensor, expected[name.replace(".alias.", ".o_proj.")]), name
     assert stats.bytes_read == plan.bytes_to_read
+
+
+def test_buffers_the_checkpoint_fills_are_filled_too(tmp_path: Path) -> None:
+    """A persistent buffer vLLM's loader fills from the checkpoint (Gemma 4's ``layer_scalar``)
+    is one of the live tensors the plugin fills; other buffers (rotary caches) are not."""
+    from functional_load.testing.checkpoints import write_checkpoint
+
+    model_dir = write_checkpoint("gemma4_text", tmp_path / "gemma4", kv_heads=2)
+    plan = fl.plan(model_dir, tp_size=2, rank=1, dtype="float32")
+    params = _params(plan)
+    buffers = {n: params.pop(n) for n in list(params) if n.endswith(".layer_scalar")}
+    assert buffers, "the plan fills no layer_scalar"
+
+    class Model:  # vLLM's model as the plugin sees it: parameters, and buffers beside them
+        def named_parameters(self, remove_duplicate: bool = True):
+            return iter(params.items())
+
+        def named_buffers(self, remove_duplicate: bool = True):
+            return iter({**buffers, "model.rotary_emb.cos_sin_cache": torch.zeros(4)}.items())
+
+    live = live_tensors(Model(), plan)
+    assert set(live) == set(params) | set(buffers)
+    fill_model(plan, live, VllmLoadOptions())
+    expected = fl.load(model_dir, tp_size=2, rank=1, dtype="float32")
+    for name, tensor in buffers.items():
+        assert torch.equal(tensor, expected[name]) and not torch.equal(tensor, torch.full_like(tensor, 1.0)), name
 
 
 def test_non_contiguous_parameters_are_filled_from_a_copy(tiny: Path) -> None:

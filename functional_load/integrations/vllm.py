@@ -21,4 +21,5 @@ from .vllm_model import MoePlacement as MoePlacement
 from .vllm_model import VllmLoadOptions as VllmLoadOptions
 from .vllm_model import check_supported as check_supported
 from .vllm_model import fill_model as fill_model
+from .vllm_model import live_tensors as live_tensors
 from .vllm_model import match_model as match_model

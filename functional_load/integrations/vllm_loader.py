@@ -17,7 +17,7 @@ from ..checkpoint.discover import checkpoint_format
 from ..errors import ConfigError
 from ..layout.parallel import Parallel
 from ..model.config import read_config
-from .vllm_model import LOAD_FORMAT, MoePlacement, VllmLoadOptions, check_supported, fill_model, write_report
+from .vllm_model import LOAD_FORMAT, MoePlacement, VllmLoadOptions, check_supported, fill_model, live_tensors, write_report
 
 logger = logging.getLogger("vllm.functional_load")  # under vLLM's logger: its handlers print it
 
@@ -66,7 +66,7 @@ class FunctionalLoadLoader(BaseModelLoader):
             num_redundant_experts=parallel.num_redundant_experts, load_format=self.options.load_format,
         )
         planned = time.perf_counter()
-        params = dict(model.named_parameters(remove_duplicate=False))
+        params = live_tensors(model, the_plan)
         stats = dataclasses.replace(fill_model(the_plan, params, self.options, _placements(model)), plan_seconds=planned - start)
         seconds = time.perf_counter() - start
         write_report(self.options, the_plan, stats, seconds)

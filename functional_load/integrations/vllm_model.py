@@ -142,6 +142,16 @@ def _key(tensor: Any) -> tuple[Any, ...]:
     return (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), str(tensor.dtype), str(tensor.device))
 
 
+def live_tensors(model: Any, plan: Plan) -> dict[str, Any]:
+    """What the plan fills in vLLM's model, by name: its parameters (``remove_duplicate=False``:
+    aliases too), and the buffers the plan names (a persistent buffer vLLM's loader fills from the
+    checkpoint: Gemma 4's ``layer_scalar``, xIELU's ``beta`` and ``eps``)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    planned = {p.spec.name for p in plan.params}
+    params.update({n: b for n, b in model.named_buffers(remove_duplicate=False) if n in planned and n not in params})
+    return params
+
+
 def fill_model(plan: Plan, params: Mapping[str, Any], options: VllmLoadOptions, experts: Mapping[str, MoePlacement] = {}) -> LoadStats:
     """Read the plan's bytes into the live parameters ``params`` (checked by :func:`match_model`):
     CPU parameters are filled in place, others from a CPU copy, one parameter at a time."""

@@ -100,14 +100,22 @@ def _engine_config(job: dict[str, Any]) -> Any:
     return EngineArgs(**kwargs).create_engine_config()
 
 
+def _persistent_buffers(model: Any) -> dict[str, Any]:
+    """The model's buffers that are part of its state (a checkpoint may hold them: Gemma 4's
+    ``layer_scalar``), by name; rotary caches and other non-persistent buffers are not."""
+    saved = set(model.state_dict().keys())
+    return {name: b for name, b in model.named_buffers(remove_duplicate=False) if name in saved and b.numel()}
+
+
 def _fill(model: Any, byte: int) -> None:
-    """``byte`` in every byte of every parameter (0xFF: NaN in every float format, -1 in every integer)."""
+    """``byte`` in every byte of every parameter and persistent buffer (0xFF: NaN in every float
+    format, -1 in every integer)."""
     import torch
 
     with torch.no_grad():
-        for param in model.parameters():
-            if param.numel():
-                param.data.view(-1).view(torch.uint8).fill_(byte)
+        for tensor in [*model.parameters(), *_persistent_buffers(model).values()]:
+            if tensor.numel():
+                tensor.data.view(-1).view(torch.uint8).fill_(byte)
 
 
 class _ZeroIntegers:
@@ -168,7 +176,8 @@ def _build_and_load(cfg: Any, rank: int, tp: int, byte: int | None) -> tuple[Any
 
 
 def _load_rank(cfg: Any, rank: int, tp: int) -> dict[str, Any]:
-    """One rank as vLLM loads it, found with two loads of the rank.
+    """One rank as vLLM loads it, found with two loads of the rank (parameters, and the
+    persistent buffers its loader writes: they hold checkpoint values too).
 
     The first leaves every parameter as vLLM creates it: its result is vLLM's state (some
     loaders read a parameter's created value: compressed-tensors MoE input scales are compared
@@ -181,12 +190,22 @@ def _load_rank(cfg: Any, rank: int, tp: int) -> dict[str, Any]:
     import torch
 
     model, _ = _build_and_load(cfg, rank, tp, None)
-    result = _collect(model)
+    result = {**_collect(model), "model_class": type(model).__name__}
     try:
         filled, _ = _build_and_load(cfg, rank, tp, 0xFF)
     except Exception:  # the fill changed what vLLM's loader decides: no element-level view
         return {**result, "initial": [], "sentinel": False}
-    second = dict(filled.named_parameters(remove_duplicate=False))
+    loaded, written = _persistent_buffers(model), _persistent_buffers(filled)
+    owner: dict[tuple[int, int], str] = {}
+    for name, buffer in written.items():  # a buffer the loader wrote is state too (aliases named once)
+        if not bool((buffer.view(-1).view(torch.uint8) == 0xFF).all()):
+            key = (loaded[name].untyped_storage().data_ptr(), loaded[name].storage_offset())
+            if key in owner:
+                result["aliases"][name] = owner[key]
+                continue
+            owner[key] = name
+            result["params"][name] = loaded[name].detach().clone().contiguous()
+    second = {**dict(filled.named_parameters(remove_duplicate=False)), **written}
     initial = []
     for name, value in result["params"].items():
         other = second[name].detach().contiguous()
