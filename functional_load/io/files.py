@@ -199,7 +199,7 @@ class PreadReader:
 
         def short(got: int) -> IntegrityError:
             return IntegrityError(
-                f"{span_of(run.info).file}: tensors {', '.join(map(repr, run.tensors[:3]))} end early: read {got} of "
+                f"{span_of(run.info).file}: tensors {', '.join(map(repr, list(dict.fromkeys(run.tensors))[:3]))} end early: read {got} of "
                 f"{run.nbytes} bytes at offset {run.offset}; the file was truncated or changed after it was indexed"
             )
 

@@ -61,7 +61,7 @@ class Run:
     offset: int
     views: tuple[memoryview, ...]
     nbytes: int
-    tensors: tuple[str, ...]
+    tensors: tuple[str, ...]  # the checkpoint tensor of each view
 
 
 Job = tuple[ParamPlan, Copy]
@@ -99,7 +99,7 @@ def join_runs(
             first = pending[0]
             out.append(Run(
                 plan.tensors[first[0][1].tensor], first[1], tuple(p[3] for p in pending), pending[-1][2] - first[1],
-                tuple(dict.fromkeys(p[0][1].tensor for p in pending)),
+                tuple(p[0][1].tensor for p in pending),
             ))
         pending.clear()
 
