@@ -133,6 +133,17 @@ ARCHS: Mapping[str, ArchSpec] = MappingProxyType(
             moe=_QWEN_MOE_EXPERTS,
             notes="layer 0 dense; per-head q/k norms; mlp.e_score_correction_bias beside the router",
         ),
+        "exaone_moe_caps": ArchSpec(  # the same model under the registry's other spelling
+            "ExaoneMoeConfig", "ExaoneMoeForCausalLM",
+            MappingProxyType({
+                **_LLAMA_LIKE, **_EXPERTS, "num_experts": 8, "num_shared_experts": 1, "first_k_dense_replace": 1,
+                "mlp_layer_types": ["dense", "sparse"], "layer_types": ["sliding_attention", "full_attention"],
+                "sliding_window": 16, "n_group": 1, "topk_group": 1,
+            }),
+            moe=_QWEN_MOE_EXPERTS,
+            config_json=MappingProxyType({"architectures": ["ExaoneMoEForCausalLM"]}),
+            notes="exaone_moe written as ExaoneMoEForCausalLM",
+        ),
         # MiMo-V2-Flash: full-attention and SWA layers (hybrid_layer_pattern) of their own head geometry,
         # SWA sinks, v_head_dim; release fields in config.json (swa_* equal to the full layers' here).
         "mimo_v2_flash": ArchSpec(

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from . import env
 from .cases import CASES, select
+from .coverage import update_coverage
 from .report import update
 from .run import ACCEPTED, run_parity, summary
 
@@ -24,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, help="keep checkpoints and vLLM's rank states here (default: a temporary directory)")
     parser.add_argument("--json", type=Path, help="write the rows as JSON")
     parser.add_argument("--markdown", type=Path, help="update the table of docs/parity.md (between its markers)")
+    parser.add_argument("--coverage", type=Path, help="update the coverage table of docs/coverage.md (between its markers)")
     args = parser.parse_args(argv)
     python = env.ensure()
     start = time.perf_counter()
@@ -39,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))
     if args.markdown:
         update(args.markdown, rows, text)
+    if args.coverage:
+        uncovered = update_coverage(args.coverage, rows)
+        if uncovered:
+            print(f"no parity case and no reason for: {', '.join(uncovered)}", file=sys.stderr)
     return 0 if all(r.outcome in ACCEPTED for r in rows) else 1
 
 

@@ -32,6 +32,7 @@ CASES: tuple[Case, ...] = (
     Case("ernie4_5_moe-gqa-tied", "ernie4_5_moe", {"kv_heads": 2}, options=MOE,
          note="layer 0 dense; float32 router, its bias stored [1, E] as moe_statics and squeezed; shared expert; tied"),
     Case("exaone_moe-gqa", "exaone_moe", {"kv_heads": 2}, options=MOE, note="layer 0 dense, float32 router bias beside the gate"),
+    Case("exaone_moe_caps-gqa", "exaone_moe_caps", {"kv_heads": 2}, tps=(1, 2), note="the registry's ExaoneMoEForCausalLM spelling"),
     Case("mimo_v2_flash", "mimo_v2_flash", {}, options=MOE,
          note="full layer 0 (2 KV heads, dense), SWA layer 1 (4 KV heads, sinks split by head, MoE); float32 router"),
     Case("afmoe-gqa", "afmoe", {"kv_heads": 2}, options=MOE, note="attention output gate, float32 router and expert_bias"),

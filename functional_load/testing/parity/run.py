@@ -9,6 +9,7 @@ are listed, not counted (vLLM's buffers are never compared).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -22,6 +23,8 @@ from typing import Any
 
 import functional_load as fl
 
+from ...model.config import read_config
+from ...model.spec import spec_for_config
 from . import env
 from .case import Case, Options
 
@@ -44,6 +47,12 @@ class Row:
     outcome: str
     detail: str = ""
     listed: tuple[str, ...] = field(default=())  # vLLM-only names that alias a compared tensor
+    # what the case is, for the coverage table: config.json's architecture, the spec that served
+    # it, the class vLLM built, the checkpoint's quantization ("" when none)
+    architecture: str = ""
+    spec: str = ""
+    vllm_class: str = ""
+    quantization: str = ""
 
     def line(self) -> str:
         rank = "*" if self.rank is None else str(self.rank)
@@ -209,7 +218,26 @@ def compare_job(case: Case, tp: int, options: Options, model: Path, result: Mapp
             rows.append(row(rank, DIFFERENT, f"{len(problems)} problems: " + "; ".join(problems[:4]) + more))
         else:
             rows.append(row(rank, IDENTICAL, "", listed))
-    return rows
+    architecture, spec, vllm_class, quantization = _about(model, result)
+    return [
+        dataclasses.replace(r, architecture=architecture, spec=spec, vllm_class=vllm_class, quantization=quantization) for r in rows
+    ]
+
+
+def _about(model: Path, result: Mapping[str, Any]) -> tuple[str, str, str, str]:
+    """The coverage fields of a job's rows (see :class:`Row`): architecture, spec, vLLM class, quantization."""
+    config = json.loads((model / "config.json").read_text())
+    quant = config.get("quantization_config") or {}
+    method = str(quant.get("quant_method", ""))
+    if method == "compressed-tensors":
+        formats = sorted({str(g.get("format") or quant.get("format")) for g in (quant.get("config_groups") or {}).values()})
+        method += f" ({', '.join(formats or [str(quant.get('format'))])})"
+    try:
+        spec = spec_for_config(read_config(model)).name
+    except fl.LoadError:
+        spec = ""
+    classes = {r.get("model_class", "") for r in result.get("ranks", {}).values()} - {""}
+    return str((config.get("architectures") or [""])[0]), spec, ", ".join(sorted(classes)), method
 
 
 def _language_model(saved: dict[str, Any], model: Path, tp: int, rank: int, options: Options) -> tuple[dict[str, Any], list[str]]:

@@ -197,7 +197,8 @@ def _load_rank(cfg: Any, rank: int, tp: int) -> dict[str, Any]:
         return {**result, "initial": [], "sentinel": False}
     loaded, written = _persistent_buffers(model), _persistent_buffers(filled)
     owner: dict[tuple[int, int], str] = {}
-    for name, buffer in written.items():  # a buffer the loader wrote is state too (aliases named once)
+    dummy = cfg.load_config.load_format == "dummy"  # its loader draws every buffer too: no checkpoint values
+    for name, buffer in written.items() if not dummy else ():  # a buffer the loader wrote is state too (aliases named once)
         if not bool((buffer.view(-1).view(torch.uint8) == 0xFF).all()):
             key = (loaded[name].untyped_storage().data_ptr(), loaded[name].storage_offset())
             if key in owner:
