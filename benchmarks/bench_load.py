@@ -11,9 +11,10 @@ RSS, its own CPU seconds and the CPU seconds other processes used meanwhile.
     python benchmarks/bench_load.py [DIR] [--quick] [--runs N] [--tp 1,2,4] [--out docs/performance.md]
     functional-load bench [DIR] ...            (the same)
 
-``DIR`` defaults to /tmp/fl-bench/llama7b-4l (/tmp/fl-bench/llama7b-1l with ``--quick``) and is
-generated with benchmarks/make_checkpoint.py when it does not exist. Files derived from it (the
-tensorizer and pre-sharded copies) go to /tmp/fl-bench/derived, written once.
+``DIR`` defaults to /tmp/fl-bench/llama7b-4l and is generated with benchmarks/make_checkpoint.py
+when it does not exist. Files derived from it (the tensorizer and pre-sharded copies) go to
+/tmp/fl-bench/derived, written once. ``--quick`` without ``DIR`` generates a 1-layer checkpoint and
+its derived files in a temporary directory and removes them at the end.
 """
 
 from __future__ import annotations
@@ -269,9 +270,24 @@ def main(argv=None) -> int:
         measure.run_worker(json.loads(argv[1]), {**loaders.KINDS, **peers.KINDS})
         return 0
     args = parse_args(argv)
+    if args.quick and not args.model_dir:  # a smoke run: everything it generates goes with it
+        import os
+        import shutil
+        import tempfile
+
+        scratch = Path(tempfile.mkdtemp(prefix="fl-bench-quick-"))
+        os.environ["FL_BENCH_DERIVED"] = str(scratch / "derived")
+        try:
+            return _main(args, scratch / "llama7b-1l")
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return _main(args, None)
+
+
+def _main(args, generated: Path | None) -> int:
     from make_checkpoint import default_dir, write_checkpoint
 
-    model_dir = Path(args.model_dir) if args.model_dir else default_dir(args.layers)
+    model_dir = Path(args.model_dir) if args.model_dir else generated or default_dir(args.layers)
     if not (model_dir / "config.json").exists():
         write_checkpoint(model_dir, args.layers)
     cfg = json.loads((model_dir / "config.json").read_text())

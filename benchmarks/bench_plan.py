@@ -56,6 +56,11 @@ FULL = [
     ("llama-405b", 1.0, 8, 0, False),
     ("llama-405b", 1.0, 16, 0, False),
     ("llama-405b", 1.0, 16, 15, False),
+    ("kimi-k2", 1.0, 8, 0, True),
+    ("kimi-k2", 1.0, 16, 0, True),
+    ("kimi-k2", 1.0, 8, 0, False),
+    ("qwen3-235b", 1.0, 8, 0, True),
+    ("qwen3-235b", 1.0, 8, 0, False),
 ]
 SCALING = [
     ("deepseek-v3", 0.25, 8, 0, True),

@@ -10,7 +10,10 @@ as zeros. The shards and ``model.safetensors.index.json`` follow the real reposi
   ``[ceil(out / 128), ceil(in / 128)]``; norms, embeddings, routers and the MTP layer's
   ``eh_proj``/heads stay BF16), 163 shards, the multi-token-prediction layer as layer
   ``num_hidden_layers``;
-* ``llama-405b``: meta-llama/Llama-3.1-405B-Instruct (BF16), 191 shards.
+* ``llama-405b``: meta-llama/Llama-3.1-405B-Instruct (BF16), 191 shards;
+* ``kimi-k2``: moonshotai/Kimi-K2-Instruct (1.04T, the DeepSeek-V3 architecture and FP8 blocks
+  with 384 routed experts: 138,000 tensors), 61 shards;
+* ``qwen3-235b``: Qwen/Qwen3-235B-A22B (BF16, 94 layers of 128 experts), 118 shards.
 
 ``--layers`` sets ``num_hidden_layers`` (the MTP layer follows the last one); the shard count
 scales with it unless ``--shards`` is given.
@@ -133,7 +136,30 @@ LLAMA_405B: dict[str, Any] = {
     "vocab_size": 128256,
 }
 
-MODELS: dict[str, tuple[dict[str, Any], int]] = {"deepseek-v3": (DEEPSEEK_V3, 163), "llama-405b": (LLAMA_405B, 191)}
+# moonshotai/Kimi-K2-Instruct (1.04T, FP8 block as DeepSeek-V3): the DeepSeek-V3 architecture with
+# 384 routed experts, 64 heads, one dense layer, no MTP layer
+KIMI_K2: dict[str, Any] = {
+    **DEEPSEEK_V3,
+    "model_type": "kimi_k2", "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "n_routed_experts": 384,
+    "num_attention_heads": 64, "num_key_value_heads": 64, "num_nextn_predict_layers": 0, "routed_scaling_factor": 2.827,
+    "vocab_size": 163840, "rope_theta": 50000.0,
+    "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+}
+
+# Qwen/Qwen3-235B-A22B (BF16): 94 layers of 128 experts, q/k norms
+QWEN3_235B: dict[str, Any] = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 4096, "intermediate_size": 12288,
+    "moe_intermediate_size": 1536, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "num_hidden_layers": 94, "num_attention_heads": 64,
+    "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+    "max_position_embeddings": 40960, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "attention_bias": False,
+    "bos_token_id": 151643, "eos_token_id": 151645,
+}
+
+MODELS: dict[str, tuple[dict[str, Any], int]] = {
+    "deepseek-v3": (DEEPSEEK_V3, 163), "llama-405b": (LLAMA_405B, 191), "kimi-k2": (KIMI_K2, 61), "qwen3-235b": (QWEN3_235B, 118),
+}
 
 Tensor = tuple[str, str, tuple[int, ...]]
 
@@ -217,6 +243,30 @@ def llama_tensors(c: dict[str, Any]) -> Iterator[Tensor]:
     yield "lm_head.weight", "BF16", (vocab, h)
 
 
+def qwen3_moe_tensors(c: dict[str, Any]) -> Iterator[Tensor]:
+    h, vocab, d = c["hidden_size"], c["vocab_size"], c["head_dim"]
+    heads, kv, experts, inter = c["num_attention_heads"], c["num_key_value_heads"], c["num_experts"], c["moe_intermediate_size"]
+    yield "model.embed_tokens.weight", "BF16", (vocab, h)
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        yield p + "input_layernorm.weight", "BF16", (h,)
+        yield p + "self_attn.q_proj.weight", "BF16", (heads * d, h)
+        yield p + "self_attn.k_proj.weight", "BF16", (kv * d, h)
+        yield p + "self_attn.v_proj.weight", "BF16", (kv * d, h)
+        yield p + "self_attn.o_proj.weight", "BF16", (h, heads * d)
+        yield p + "self_attn.q_norm.weight", "BF16", (d,)
+        yield p + "self_attn.k_norm.weight", "BF16", (d,)
+        yield p + "post_attention_layernorm.weight", "BF16", (h,)
+        yield p + "mlp.gate.weight", "BF16", (experts, h)
+        for e in range(experts):
+            q = f"{p}mlp.experts.{e}."
+            yield q + "gate_proj.weight", "BF16", (inter, h)
+            yield q + "up_proj.weight", "BF16", (inter, h)
+            yield q + "down_proj.weight", "BF16", (h, inter)
+    yield "model.norm.weight", "BF16", (h,)
+    yield "lm_head.weight", "BF16", (vocab, h)
+
+
 def nbytes(t: Tensor) -> int:
     return math.prod(t[2]) * ITEMSIZE[t[1]]
 
@@ -231,7 +281,8 @@ def config_for(model: str, layers: int | None = None, **overrides: Any) -> dict[
 
 def tensors_for(config: dict[str, Any]) -> list[Tensor]:
     arch = config["architectures"][0]
-    return list(deepseek_tensors(config) if arch == "DeepseekV3ForCausalLM" else llama_tensors(config))
+    writer = {"DeepseekV3ForCausalLM": deepseek_tensors, "Qwen3MoeForCausalLM": qwen3_moe_tensors}.get(arch, llama_tensors)
+    return list(writer(config))
 
 
 def _write_shard(path: Path, tensors: list[Tensor]) -> int:
