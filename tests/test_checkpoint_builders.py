@@ -6,12 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+import transformers  # noqa: F401  (required by the test extra: a missing one fails, never skips)
 
-pytest.importorskip("transformers")
-torch = pytest.importorskip("torch")
-
-from functional_load.testing.archs import CORE  # noqa: E402
-from functional_load.testing.checkpoints import (  # noqa: E402
+from functional_load.testing.archs import CORE
+from functional_load.testing.checkpoints import (
     ARCHS,
     fuse_experts,
     linear_experts,

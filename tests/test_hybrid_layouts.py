@@ -7,12 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
+import transformers  # noqa: F401  (required by the test extra: a missing one fails, never skips)
 
-pytest.importorskip("transformers")
-torch = pytest.importorskip("torch")
-
-import functional_load as fl  # noqa: E402
-from functional_load.testing.checkpoints import read_checkpoint_tensors, write_checkpoint  # noqa: E402
+import functional_load as fl
+from functional_load.testing.checkpoints import read_checkpoint_tensors, write_checkpoint
 
 
 def _rows(t: torch.Tensor, sizes: list[int], tp: int, rank: int, replicate: tuple[bool, ...] = ()) -> torch.Tensor:

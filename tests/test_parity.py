@@ -19,6 +19,10 @@ from functional_load.testing.parity.run import ACCEPTED, DIFFERENT, IDENTICAL, R
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "parity.md"
 
+# the module fixture runs real vLLM over every case (about 5 minutes alone, 3,500 rank states; building
+# its environment first adds about 3): the first test that asks for it gets its time
+pytestmark = pytest.mark.timeout(1800)
+
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory: pytest.TempPathFactory) -> list[Row]:

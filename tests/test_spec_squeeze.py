@@ -8,13 +8,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
+import transformers  # noqa: F401  (required by the test extra: a missing one fails, never skips)
 
 from functional_load.errors import PlanError
 from functional_load.layout.parallel import Parallel
 from functional_load.layout.sharding import Replicated
-
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
 
 
 def test_squeezed_part_reads_the_stored_shape() -> None:
