@@ -160,3 +160,42 @@ def test_a_save_reloads_at_its_layout_from_its_own_file_as_is(llama, tmp_path):
     resharded = fl.plan(out, tp_size=4, rank=1)  # another tp: the virtual original checkpoint
     assert not any(isinstance(info.location, FileSpan) for info in resharded.tensors.values())
     assert_same_state(fl.load(out, tp_size=4, rank=1), fl.load(llama, tp_size=4, rank=1, dtype="bfloat16"))
+
+
+def test_auto_reads_a_hot_row_slice_with_one_strided_copy_and_a_cold_one_as_spans(tmp_path, monkeypatch):
+    """A box of many short runs (a row-parallel slice): in the page cache, ``auto`` copies it out
+    of a mapping of the file (no ``preadv`` per row); not in it, it reads sequential spans. The
+    bytes are the box's either way."""
+    rows, cols = 256, 64
+    data = torch.arange(rows * cols, dtype=torch.int32).to(torch.bfloat16).view(rows, cols)
+    path = tmp_path / "t.bin"
+    path.write_bytes(b"\0" * 8 + data.view(torch.uint8).numpy().tobytes())
+    info = TensorInfo("w", "BF16", (rows, cols), FileSpan(path, 8, rows * cols * 2))
+    box = ((0, rows), (16, 32))
+    expected = data[:, 16:32].contiguous().view(torch.uint8).numpy().tobytes()
+    calls: list[int] = []
+    real = os.preadv
+
+    def counting(fd, buffers, offset, *flags):
+        calls.append(sum(memoryview(b).nbytes for b in buffers))
+        return real(fd, buffers, offset, *flags)
+
+    monkeypatch.setattr(os, "preadv", counting)
+    for resident in (True, False):
+        monkeypatch.setattr("functional_load.io.files._resident", lambda fd, offset, resident=resident: resident)
+        calls.clear()
+        out = bytearray(rows * 16 * 2)
+        with PreadReader(adaptive=True) as reader:
+            reader.read_into(info, box, memoryview(out))
+            read = reader.bytes_read
+        assert bytes(out) == expected
+        assert read == (len(out) if resident else sum(calls))  # what it copied, or what it asked the kernel for
+        if resident:
+            assert calls == [], f"hot: {len(calls)} preadv calls for a strided copy"
+        else:
+            assert 0 < len(calls) <= 2 and sum(calls) >= (rows - 1) * cols * 2, calls  # one span, not a read per row
+    calls.clear()
+    with PreadReader(adaptive=False) as reader:  # strategy pread: exact reads, one per row
+        out = bytearray(rows * 16 * 2)
+        reader.read_into(info, box, memoryview(out))
+    assert bytes(out) == expected and len(calls) == rows

@@ -138,9 +138,11 @@ class PreadReader:
 
     Exact reads go through a descriptor advised ``POSIX_FADV_RANDOM``, so the kernel reads what
     is asked and no readahead past a rank's slice. A box made of many short runs (a row-parallel
-    slice) is read as sequential spans and scattered when ``max_over_read`` allows it, or, with
-    ``adaptive=True``, when the tensor is not in the page cache (probed with ``RWF_NOWAIT``):
-    cold, one sequential pass beats a random read per row; hot, exact copies are cheaper.
+    slice) is read as sequential spans and scattered when ``max_over_read`` allows it. With
+    ``adaptive=True`` (strategy ``auto``) a box of 64 runs or more goes by where the tensor is
+    (probed with ``RWF_NOWAIT``): not in the page cache, one sequential pass beats a random read
+    per row; in it, one strided copy out of a read-only mapping of the file beats a ``preadv`` per
+    row (a row-parallel slice of Llama-2-7B's ``down_proj`` at tp 4 is 4,096 reads of 5.5 KB).
 
     ``bytes_read`` counts tensor bytes read (not headers). Safe to use from several threads.
     """
@@ -154,9 +156,9 @@ class PreadReader:
         self._spans = _Files(0, getattr(os, "POSIX_FADV_SEQUENTIAL", None))
         self._direct = direct
         self._max_over_read = max_over_read
-        self._adaptive = adaptive
         self._chunk = chunk_bytes
         self.tally = tally or Tally()
+        self._adaptive = adaptive
 
     @property
     def bytes_read(self) -> int:
@@ -177,11 +179,13 @@ class PreadReader:
         span = int(offsets[-1]) + run - int(offsets[0])
         if self._direct:
             self._read_direct(fd, info, offsets, run, out)
-        elif len(offsets) > 1 and (
-            span <= self._max_over_read * run * len(offsets)
-            or (self._adaptive and len(offsets) >= 64 and not _resident(fd, base + int(offsets[len(offsets) // 2])))
-        ):
+        elif len(offsets) > 1 and span <= self._max_over_read * run * len(offsets):
             self._read_span(self._spans.fd(info), info, offsets, run, out)
+        elif self._adaptive and len(offsets) >= 64:  # many short runs: by where the tensor is
+            if _resident(fd, base + int(offsets[len(offsets) // 2])):
+                self._copy_mapped(fd, info, offsets, run, out)  # hot: one strided copy, not a read per row
+            else:
+                self._read_span(self._spans.fd(info), info, offsets, run, out)  # cold: one sequential pass
         else:
             position = 0
             for offset in offsets.tolist():
@@ -204,6 +208,26 @@ class PreadReader:
             )
 
         self._count(read_run(fd, run, short))
+
+    def _copy_mapped(self, fd: int, info: TensorInfo, offsets: np.ndarray, run: int, out: memoryview) -> None:
+        """Copy the runs out of a read-only mapping of just their span, unmapped at once (the file's
+        pages stay in the page cache, not in this process's resident set)."""
+        first = span_of(info).offset + int(offsets[0])
+        start = first // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
+        mapping = mmap.mmap(fd, first - start + int(offsets[-1] - offsets[0]) + run, prot=mmap.PROT_READ, offset=start)
+        try:
+            source = np.frombuffer(mapping, dtype=np.uint8)[first - start :]
+            dest = np.frombuffer(out, dtype=np.uint8).reshape(len(offsets), run)
+            steps = np.diff(offsets)
+            if np.all(steps == steps[0]):
+                np.copyto(dest, np.lib.stride_tricks.as_strided(source, shape=dest.shape, strides=(int(steps[0]), 1)))
+            else:
+                for i, offset in enumerate((offsets - offsets[0]).tolist()):
+                    dest[i] = source[offset : offset + run]
+            del source
+        finally:
+            mapping.close()
+        self._count(run * len(offsets))
 
     def _read_span(self, fd: int, info: TensorInfo, offsets: np.ndarray, run: int, out: memoryview) -> None:
         """Read runs with equal gaps as big sequential chunks and scatter them (row-parallel slices)."""
