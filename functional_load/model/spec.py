@@ -10,8 +10,9 @@ Sizes are expressions over config keys (:mod:`.expressions`).
 from __future__ import annotations
 
 import os
+import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -180,14 +181,49 @@ def _read_toml(text: str, source: str) -> dict[str, Any]:
 SPEC_PATH_ENV = "FUNCTIONAL_LOAD_SPEC_PATH"  # directories of out-of-tree specs, searched before the built-in ones
 
 
-def _builtin_raw() -> dict[str, tuple[dict[str, Any], str]]:
-    raw = {}
-    for entry in resources.files("functional_load.specs").iterdir():
-        if entry.name.endswith(".toml"):
-            source = f"specs/{entry.name}"
-            data = _read_toml(entry.read_text(), source)
-            raw[data.get("name", entry.name[:-5])] = (data, source)
-    return raw
+_TOP_NAME = re.compile(r"""^name\s*=\s*["']([^"'\n]+)["']\s*(?:#.*)?$""", re.M)
+
+
+class _RawSpecs(Mapping[str, tuple[dict[str, Any], str]]):
+    """Spec files by name (the top-level ``name = "..."`` before the first table, else the stem),
+    in lookup order, each parsed when first asked for: a load parses its spec and ``extends``
+    chain, not all 87 files (about 60 ms a process here)."""
+
+    def __init__(self, files: list[tuple[str, str, str]]):  # (stem, text, source)
+        self._files: dict[str, tuple[str, str]] = {}
+        self._parsed: dict[str, tuple[dict[str, Any], str]] = {}
+        for stem, text, source in files:
+            head = re.split(r"^\s*\[", text, maxsplit=1, flags=re.M)[0]
+            found = _TOP_NAME.search(head)
+            self._files.setdefault(found.group(1) if found else stem, (text, source))
+
+    def __getitem__(self, name: str) -> tuple[dict[str, Any], str]:
+        if name not in self._parsed:
+            text, source = self._files[name]
+            data = _read_toml(text, source)
+            if data.get("name", name) != name:
+                raise ConfigError(f"{source}: its name {data.get('name')!r} is not the one read off its text ({name!r})")
+            self._parsed[name] = (data, source)
+        return self._parsed[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._files)
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+    def mentioning(self, word: str) -> list[str]:
+        """The names of the files whose text holds ``word`` as a quoted string, in lookup order."""
+        quoted = (f'"{word}"', f"'{word}'")
+        return [name for name, (text, _) in self._files.items() if any(q in text for q in quoted)]
+
+
+def _builtin_files() -> list[tuple[str, str, str]]:
+    return [
+        (entry.name[:-5], entry.read_text(), f"specs/{entry.name}")
+        for entry in sorted(resources.files("functional_load.specs").iterdir(), key=lambda e: e.name)
+        if entry.name.endswith(".toml")
+    ]
 
 
 def spec_dirs() -> list[Path]:
@@ -195,18 +231,16 @@ def spec_dirs() -> list[Path]:
     return [Path(d) for d in os.environ.get(SPEC_PATH_ENV, "").split(os.pathsep) if d]
 
 
-def _all_raw() -> dict[str, tuple[dict[str, Any], str]]:
+def _all_raw() -> _RawSpecs:
     """Every spec by name, in the order a config's architecture is looked up: those on the search
     path first (the first directory first; they replace a built-in of the same name, and serve an
     architecture a built-in serves too), then the built-in ones."""
-    found: dict[str, tuple[dict[str, Any], str]] = {}
+    files: list[tuple[str, str, str]] = []
     for directory in spec_dirs():
         if not directory.is_dir():
             raise ConfigError(f"{SPEC_PATH_ENV} names {directory}, which is not a directory of spec .toml files")
-        for path in sorted(directory.glob("*.toml")):
-            data = _read_toml(path.read_text(), str(path))
-            found.setdefault(data.get("name", path.stem), (data, str(path)))
-    return {**found, **{name: entry for name, entry in _builtin_raw().items() if name not in found}}
+        files += [(path.stem, path.read_text(), str(path)) for path in sorted(directory.glob("*.toml"))]
+    return _RawSpecs(files + _builtin_files())
 
 
 def _resolve(
@@ -267,7 +301,7 @@ def load_spec(path: str | Path) -> ArchSpec:
 
 def builtin_specs() -> dict[str, ArchSpec]:
     """The specs shipped in ``specs/``, by name."""
-    raw = _builtin_raw()
+    raw = _RawSpecs(_builtin_files())
     return {name: parse_spec(_resolve(data, source, raw), source) for name, (data, source) in raw.items()}
 
 
@@ -312,7 +346,6 @@ def find_spec(name_or_path: str | Path) -> ArchSpec:
 
 def spec_for_config(config: Mapping[str, Any], specs: Mapping[str, ArchSpec] | None = None) -> ArchSpec:
     """The spec whose ``architectures`` lists the config's first architecture (or its model_type)."""
-    specs = available_specs() if specs is None else specs
     wanted = config.get("architectures") or []
     model_type = config.get("model_type")
     if not isinstance(wanted, list) or not all(isinstance(a, str) for a in wanted) or not isinstance(model_type, (str, type(None))):
@@ -320,6 +353,9 @@ def spec_for_config(config: Mapping[str, Any], specs: Mapping[str, ArchSpec] | N
             f"config.json: 'architectures' must be a list of class names and 'model_type' a string, found "
             f"{wanted!r:.100} and {model_type!r:.100}"
         )
+    if specs is None and (found := _first_serving(wanted)) is not None:
+        return found
+    specs = available_specs() if specs is None else specs
     for arch in wanted:
         for spec in specs.values():
             if arch in spec.architectures:
@@ -333,6 +369,21 @@ def spec_for_config(config: Mapping[str, Any], specs: Mapping[str, ArchSpec] | N
         f"family, then pass spec= (or --spec FILE), or put it in a directory on {SPEC_PATH_ENV}; "
         f"`functional-load check-spec SPEC` proves it against transformers and vLLM"
     )
+
+
+def _first_serving(architectures: list[str]) -> ArchSpec | None:
+    """What :func:`spec_for_config` finds by architecture, parsing only the files that mention it;
+    None when none does or every spec is parsed already."""
+    stamps = _stamps()
+    if stamps is None or stamps in _PARSED:
+        return None
+    raw = _all_raw()
+    for arch in architectures:
+        for name in raw.mentioning(arch):
+            data, source = raw[name]
+            if arch in data.get("architectures", ()):
+                return parse_spec(_resolve(data, source, raw), source)
+    return None
 
 
 def _closest(model_type: Any, architectures: list[str], specs: Mapping[str, ArchSpec]) -> str:
