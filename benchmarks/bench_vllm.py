@@ -1,8 +1,9 @@
 """Load time inside real vLLM (the CPU build of the parity environment), by load format.
 
-Methods: vLLM's default loader (``auto``), ``functional_load``, ``runai_streamer``,
-``fastsafetensors``, ``sharded_state`` (vLLM's own pre-sharded files, saved once per tp) and
-functional_load's pre-sharded save (``save_sharded`` once, then ``load_format="functional_load"``).
+Methods: vLLM's default loader (``auto``), ``functional_load``, ``runai_streamer`` and
+functional_load's pre-sharded save (``save_sharded`` once, then ``load_format="functional_load"``);
+``sharded_state`` (vLLM's own pre-sharded files, saved once per tp) and ``fastsafetensors`` on
+request (``--methods``: both fail in vLLM's CPU build, see ``METHODS``).
 Models: a Llama-2-7B-shaped checkpoint (3 layers, 1.74 GB, ``make_checkpoint.py``) and a
 Qwen3-30B-A3B-shaped one (2 layers of 48 experts, 2.1 GB), bf16; tp 1 and 2; cold (the files
 dropped from the page cache) and hot.
@@ -14,7 +15,7 @@ enforce_eager=True, skip_tokenizer_init=True)``, in a fresh process. Reported pe
   weights, the same span for every loader; the slowest worker at tp 2), timed by a
   ``sitecustomize`` the child gets on ``PYTHONPATH``;
 * ``weights`` - vLLM's own "Loading weights took" line where the loader logs it (default,
-  fastsafetensors, sharded_state), functional_load's "loaded in" line for its format;
+  sharded_state), functional_load's "loaded in" line for its format;
 * ``engine`` - the wall time of ``LLM(...)``: the start-up a user waits for.
 
 Rounds interleave the methods (``--rounds``, default 7); the table gives median (min) and every
@@ -41,8 +42,14 @@ sys.path.insert(0, str(HERE))
 from measure import prepare  # noqa: E402
 
 ROOT = Path("/tmp/fl-bench")
-METHODS = ("auto", "functional_load", "runai_streamer", "fastsafetensors", "sharded_state", "fl_presharded")
-PEERS = ("runai-model-streamer==0.17.*", "fastsafetensors==0.5.*")
+# Not run by default, because vLLM 0.32's CPU build cannot (measured here): fastsafetensors, whose
+# weights iterator builds torch.device(f"cuda:{current_device()}"), "cuda:cpu" on CPU ("Invalid
+# device string"; bench_load.py runs it outside vLLM); sharded_state, whose save_sharded_state
+# writes model.state_dict() after the CPU backend has repacked the linear weights out of it (a
+# 3-layer Llama saved 524 MB: the embedding and lm_head) and whose load then fails with "Missing
+# keys ('model.layers.0.self_attn.qkv_proj.weight', ...)". --methods still takes both.
+METHODS = ("auto", "functional_load", "runai_streamer", "fl_presharded")
+PEERS = ("runai-model-streamer==0.17.*",)
 
 SITECUSTOMIZE = '''
 import time, sys
@@ -61,13 +68,13 @@ import json, sys, time
 from vllm import LLM
 
 def main():
-    model, fmt, tp, dtype = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    model, fmt, tp, dtype, extra = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], json.loads(sys.argv[5])
     start = time.perf_counter()
     llm = LLM(model=model, load_format=fmt, tensor_parallel_size=tp, dtype=dtype, enforce_eager=True,
-              skip_tokenizer_init=True, max_model_len=256, max_num_seqs=4)
+              skip_tokenizer_init=True, max_model_len=256, max_num_seqs=4, model_loader_extra_config=extra)
     engine = time.perf_counter() - start
-    if len(sys.argv) > 5:  # save vLLM's sharded state
-        llm.llm_engine.engine_core.save_sharded_state(path=sys.argv[5])
+    if len(sys.argv) > 6:  # save vLLM's sharded state
+        llm.llm_engine.engine_core.save_sharded_state(path=sys.argv[6])
     print("BENCH engine %.4f" % engine, flush=True)
 
 if __name__ == "__main__":
@@ -136,14 +143,20 @@ def llama_checkpoint(out: Path) -> Path:
     return write_checkpoint(out, layers=3)
 
 
-def run_child(model: Path, fmt: str, tp: int, dtype: str, site: Path, save: Path | None = None) -> dict[str, float]:
+# functional_load with one read option changed (model_loader_extra_config), by method name
+VARIANTS = {"fl_mmap": {"strategy": "mmap"}, "fl_pread": {"strategy": "pread"}}
+
+
+def run_child(
+    model: Path, fmt: str, tp: int, dtype: str, site: Path, save: Path | None = None, extra: dict | None = None
+) -> dict[str, float]:
     path = os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "PYTHONPATH": path, "TQDM_DISABLE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     if tp == 2:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
         f.write(CHILD)
-    cmd = [sys.executable, f.name, str(model), fmt, str(tp), dtype] + ([str(save)] if save else [])
+    cmd = [sys.executable, f.name, str(model), fmt, str(tp), dtype, json.dumps(extra or {})] + ([str(save)] if save else [])
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
     os.unlink(f.name)
     log = done.stdout + done.stderr
@@ -164,7 +177,6 @@ def _median_min(values: list[float]) -> str:
 
 def ensure_peers() -> None:
     try:
-        import fastsafetensors  # noqa: F401
         import runai_model_streamer  # noqa: F401
     except ImportError:
         subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", *PEERS], check=True)
@@ -213,9 +225,9 @@ def main(argv: list[str] | None = None) -> int:
                 for scenario in args.scenarios.split(","):
                     for method in methods[round_ % len(methods):] + methods[: round_ % len(methods)]:
                         path = saved.get((key, tp, method), model)
-                        fmt = "functional_load" if method == "fl_presharded" else method
+                        fmt = "functional_load" if method == "fl_presharded" or method in VARIANTS else method
                         prepare(scenario, sorted(p for p in path.iterdir() if p.suffix == ".safetensors"))
-                        r = run_child(path, fmt, tp, args.dtype, site)
+                        r = run_child(path, fmt, tp, args.dtype, site, extra=VARIANTS.get(method))
                         results.setdefault(f"{key}|{tp}|{scenario}|{method}", []).append(r)
                         print(f"round {round_} {key} tp {tp} {scenario} {method}: {r}", flush=True)
     if args.json:

@@ -250,7 +250,8 @@ METHOD_NOTES = """\
 * Methods:
   * functional_load: `functional_load.load(dir, tp_size, rank, read=ReadOptions(strategy=..., threads=..., ...))`;
     *auto* is the library's defaults (16 MiB chunks on 4 threads, exact preads with `FADV_RANDOM`,
-    row-parallel slices read as sequential spans when not in the page cache). Other variants
+    row-parallel slices read as sequential spans when not in the page cache, copied strided out of a
+    mapping of their span when they are; sequential runs of abutting tensors in one `preadv`). Other variants
     (`--methods pread-t1,pread-t2,span-t2,direct-t2,mmap-t2,eager-t2,...`) change one option and are
     not run by default.
   * vLLM-style: `torch.empty` parameters at rank-local vLLM shapes (fused qkv/gate_up); per
