@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ...model.spec import builtin_specs
 from ...vllm_target import VLLM_VERSION
+from .report import replace_between
 from .run import IDENTICAL, REFUSED_BOTH, Row
 
 # architectures real vLLM 0.32's CPU build cannot build: their specs are checked against vLLM's
@@ -78,11 +79,5 @@ def coverage(rows: list[Row]) -> tuple[str, list[str]]:
 def update_coverage(path: Path, rows: list[Row]) -> list[str]:
     """Write the table between the markers of ``path``; returns the uncovered architectures."""
     table, uncovered = coverage(rows)
-    text = path.read_text() if path.exists() else ""
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = f"{head}{BEGIN}\n{table}{END}{rest.split(END, 1)[1]}"
-    else:
-        text = f"# Coverage\n\n{BEGIN}\n{table}{END}\n"
-    path.write_text(text)
+    replace_between(path, BEGIN, END, table, new_head="# Coverage\n\n")
     return uncovered

@@ -36,11 +36,16 @@ BEGIN, END = "<!-- parity table: begin -->", "<!-- parity table: end -->"
 
 def update(path: Path, rows: list[Row], summary: str) -> None:
     """Replace the table between the markers of ``path`` (docs/parity.md), or write a new file."""
-    table = markdown(rows, summary)
+    replace_between(path, BEGIN, END, markdown(rows, summary))
+
+
+def replace_between(path: Path, begin: str, end: str, table: str, new_head: str = "") -> None:
+    """Put ``table`` between the markers ``begin`` and ``end`` of ``path``, keeping the text
+    around them; a file without them becomes ``new_head`` and the marked table."""
     text = path.read_text() if path.exists() else ""
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = f"{head}{BEGIN}\n{table}{END}{rest.split(END, 1)[1]}"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = f"{head}{begin}\n{table}{end}{rest.split(end, 1)[1]}"
     else:
-        text = f"{BEGIN}\n{table}{END}\n"
+        text = f"{new_head}{begin}\n{table}{end}\n"
     path.write_text(text)
