@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, paused_gc
 from .checkpoint.discover import checkpoint_format, discover
 from .checkpoint.hub import resolve_model
 from .checkpoint.index import index_checkpoint
@@ -151,7 +151,11 @@ def plan(
     a directory with only ``config.json``, or a parsed config; every parameter gets vLLM's dummy
     values (see :mod:`functional_load.io.dummy`) and the plan reads 0 bytes.
     """
-    opts = resolve_options(options, overrides)
+    with paused_gc():  # one pause for indexing, layout and plan: the young objects are scanned once, not per stage
+        return _plan(model, tp_size, rank, resolve_options(options, overrides))
+
+
+def _plan(model: Model | Mapping[str, Any], tp_size: int, rank: int, opts: LoadOptions) -> Plan:
     parallel = opts.parallel(tp_size, rank)
     if opts.dummy:
         model = model if isinstance(model, Mapping) else resolve_model_dir(model, opts.revision, opts.load_format)

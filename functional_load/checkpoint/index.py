@@ -312,7 +312,8 @@ def _index_safetensors(files: WeightFiles) -> Checkpoint:
         header = headers[path.name]
         names = header.entries if isinstance(header, Header) else header
         if listed is not None:
-            keep = [name for name in names if listed(name) == path.name]
+            shard = path.name
+            keep = [name for name in names if listed(name) == shard]
         else:
             keep = list(names)
             for name in keep:

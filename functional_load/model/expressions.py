@@ -11,6 +11,8 @@ level is read from its ``text_config`` (multimodal models).
 from __future__ import annotations
 
 import ast
+import functools
+import keyword
 import operator
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -51,10 +53,9 @@ def evaluate(expr: str | int | float | bool, lookup: Mapping[str, Any] | Any) ->
     """Evaluate a spec expression; ``lookup[name]`` gives a value or ``None`` when absent."""
     if not isinstance(expr, str):
         return expr
-    try:
-        tree = ast.parse(expr, mode="eval")
-    except SyntaxError as exc:
-        raise ConfigError(f"invalid spec expression {expr!r}: {exc.msg}") from None
+    if expr.isidentifier() and not keyword.iskeyword(expr):  # a bare name, as most spec expressions are
+        return lookup[expr]
+    tree = _parse(expr)
 
     def ev(node: ast.AST) -> Any:
         if isinstance(node, ast.Expression):
@@ -132,6 +133,15 @@ def evaluate(expr: str | int | float | bool, lookup: Mapping[str, Any] | Any) ->
         return ev(tree)
     except (TypeError, ZeroDivisionError, OverflowError) as exc:  # config values of the wrong type, or 0
         raise ConfigError(f"spec expression {expr!r} fails on the values in config.json: {exc}") from None
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse(expr: str) -> ast.Expression:
+    """An expression's tree, parsed once (a layout of 60 layers evaluates each expression per layer)."""
+    try:
+        return ast.parse(expr, mode="eval")
+    except SyntaxError as exc:
+        raise ConfigError(f"invalid spec expression {expr!r}: {exc.msg}") from None
 
 
 class Scope(Mapping[str, Any]):
