@@ -42,8 +42,8 @@ class ExpertSplit(Sharding):
         return (held,) + self.inner.local_shape(shape[1:], parallel.expert_tp)
 
     def slots(self, parallel: Parallel) -> list[Slot]:
-        held = parallel.expert_slots(self.num_experts)
-        return [(s, seg) for s in range(len(held)) for seg in self.inner.slots(parallel.expert_tp)]
+        held, inner = parallel.expert_slots(self.num_experts), self.inner.slots(parallel.expert_tp)
+        return [(s, seg) for s in range(len(held)) for seg in inner]
 
     def describe(self, slot: Slot, parallel: Parallel) -> str:
         s, segment = slot
