@@ -102,3 +102,24 @@ def test_a_plan_names_the_malformed_tensor_it_needs(tmp_path):
     checkpoint = index_checkpoint(discover(tmp_path))
     with pytest.raises(FormatError, match=r"'model\.embed_tokens\.weight': dtype 'BF17' is not one of"):
         checkpoint.tensors["model.embed_tokens.weight"]
+
+
+def test_tiles_takes_integer_pairs_only_and_any_header_order():
+    from functional_load.checkpoint.lazy import tiles
+
+    a, b = {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}, {"dtype": "U8", "shape": [4], "data_offsets": [4, 8]}
+    assert tiles({"a": a, "b": b}, 8) == ["a", "b"]
+    assert tiles({"b": b, "a": a}, 8) == ["a", "b"]  # names in data order, whatever the header's order
+    for bad in ([0.0, 4], [False, 4], [0, 4, 4], (0, 4), [0, "4"], None, [0, 2**70]):
+        assert tiles({"a": {**a, "data_offsets": bad}, "b": b}, 8) is None, bad
+    assert tiles({"a": a, "b": {"dtype": "U8", "shape": [4]}}, 8) is None
+
+
+def test_a_header_out_of_data_order_indexes_as_the_strict_reader(tmp_path):
+    entries = {f"t{i}": {"dtype": "U8", "shape": [2], "data_offsets": [2 * i, 2 * i + 2]} for i in range(5)}
+    shuffled = {name: entries[name] for name in ("t3", "t0", "t4", "t1", "t2")}
+    raw_file(tmp_path / "model.safetensors", shuffled, bytes(range(10)))
+    checkpoint = index_checkpoint(discover(tmp_path))
+    strict = read_header(tmp_path / "model.safetensors")
+    assert list(checkpoint.tensors) == list(strict) == [f"t{i}" for i in range(5)]
+    assert {n: checkpoint.tensors[n] for n in checkpoint.tensors} == strict

@@ -247,7 +247,8 @@ def lazy_header(path: Path) -> Header | dict[str, TensorInfo]:
         header, colons = parsed
         order = tiles(header, stamp.size - data_start) if colons + 3 * len(header) == text.count(":") else None
         if order is not None:
-            return Header(path, {name: header[name] for name in order}, data_start, stamp.size, stamp)
+            entries = header if order == list(header) else dict(zip(order, map(header.__getitem__, order)))
+            return Header(path, entries, data_start, stamp.size, stamp)
     return _validated(path, raw, text, data_start, stamp)
 
 
@@ -313,7 +314,8 @@ def _index_safetensors(files: WeightFiles) -> Checkpoint:
         names = header.entries if isinstance(header, Header) else header
         if listed is not None:
             shard = path.name
-            keep = [name for name in names if listed(name) == shard]
+            listed_in = list(map(listed, names))
+            keep = list(names) if listed_in.count(shard) == len(listed_in) else [n for n, s in zip(names, listed_in) if s == shard]
         else:
             keep = list(names)
             for name in keep:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from itertools import chain
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ import numpy as np
 from . import FileStamp, IndexedTensors, TensorInfo
 
 MAX_NAME_LENGTH = 1024
+_OFFSETS = itemgetter("data_offsets")
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,15 +48,21 @@ def tiles(entries: Mapping[str, Any], data_size: int) -> list[str] | None:
     if not all(names) or max(map(len, names)) > MAX_NAME_LENGTH or not "".join(names).isprintable():
         return None
     try:
-        spans = np.array([e["data_offsets"] for e in entries.values()], dtype=np.int64)
+        offsets = list(map(_OFFSETS, entries.values()))
+        flat = list(chain.from_iterable(offsets))
+        if set(map(type, offsets)) != {list} or set(map(len, offsets)) != {2} or set(map(type, flat)) != {int}:
+            return None  # not pairs of integers (a float or a bool would pass numpy's int64 conversion)
+        spans = np.array(flat, dtype=np.int64).reshape(-1, 2)  # from a flat list: 3x faster than from pairs
     except (TypeError, KeyError, ValueError, OverflowError):
         return None
-    if spans.shape != (len(names), 2) or (spans[:, 0] > spans[:, 1]).any():
+    if (spans[:, 0] > spans[:, 1]).any():
         return None
     order = np.lexsort((np.arange(len(names)), spans[:, 0]))  # by begin; ties (empty tensors) in header order
     begins, ends = spans[order, 0], spans[order, 1]
     if begins[0] != 0 or ends[-1] != data_size or (begins[1:] != ends[:-1]).any():
         return None
+    if (order[1:] > order[:-1]).all():  # already in data order, as the safetensors library writes them
+        return names
     return [names[i] for i in order.tolist()]
 
 
