@@ -27,8 +27,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..checkout_lock import checkout_lock
-
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
 MARKER = "functional_load-jaxstack.json"
@@ -146,8 +144,7 @@ def ensure(stack: str, verbose: bool = True) -> Path:
     spec, venv, log = STACKS[stack], venv_dir(stack), log_path(stack)
     if ready(stack):
         if not checkout_installed(stack):
-            with checkout_lock():
-                _run([str(python(stack)), "-m", "pip", "install", "--quiet", "--no-deps", "-e", str(ROOT)], log)
+            _run([str(python(stack)), "-m", "pip", "install", "--quiet", "--no-deps", "-e", str(ROOT)], log)
         return python(stack)
     log.write_text("")
     if verbose:
@@ -161,8 +158,7 @@ def ensure(stack: str, verbose: bool = True) -> Path:
     if "Name:" in present:
         raise SetupError(f"{stack}: {present.split()[1]} is installed, and must not be (see {spec.requirements})")
     _run([str(python(stack)), "-c", spec.check], log)
-    with checkout_lock():
-        _run([*pip, "install", "--quiet", "--no-deps", "-e", str(ROOT)], log)
+    _run([*pip, "install", "--quiet", "--no-deps", "-e", str(ROOT)], log)
     _run([str(python(stack)), "-c", f"import functional_load, {', '.join(RUNTIME)}; print(functional_load.__file__)"], log)
     seconds, size = round(time.perf_counter() - start, 1), size_bytes(venv)
     (venv / MARKER).write_text(json.dumps({**expected_marker(stack), "seconds": seconds, "bytes": size}, indent=1) + "\n")

