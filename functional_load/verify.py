@@ -141,7 +141,7 @@ def verify_ranks(model_dir: Any, *, tp_size: int = 1, options: LoadOptions = Loa
         if not bool(mask.all()):
             problems.append(f"{name} ({file.name}): {int((~mask).sum())} elements are held by no rank")
     for param in plans[0].params:
-        if all(isinstance(p.param(param.spec.name).spec.sharding.placement(p.parallel), Same) for p in plans):
+        if all(isinstance(p.param(param.spec.name).spec.placement(p.parallel), Same) for p in plans):
             first = _bits(states[0][param.spec.name])
             for state, the_plan in zip(states[1:], plans[1:]):
                 if not torch.equal(first, _bits(state[param.spec.name])):

@@ -151,6 +151,76 @@ def test_load_jax_shards_are_the_torch_ranks(sharding, checkpoint, tp):
 
 
 # -------------------------------------------------------------------------------------------
+# Online quantization: every device holds its own rank's weights and scales
+
+
+def check_quantized(path: str, tp: int, quantization: str) -> int:
+    """``load_jax(quantization=...)`` equals ``load(quantization=..., rank=r)`` device by device:
+    each device's shard is exactly its tensor-parallel rank's tensor (a per-tensor scale computed
+    from the rank's slice of its weight differs per rank, so it is one entry per rank, never
+    rank 0's scale replicated), whatever the array's placement."""
+    import jax
+    from jax.sharding import Mesh
+
+    import functional_load as fl
+
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(8 // tp, tp), ("dp", "tp"))
+    arrays = fl.load_jax(path, mesh, quantization=quantization)
+    states = {r: fl.load(path, tp_size=tp, rank=r, quantization=quantization, progress=False) for r in range(tp)}
+    assert sorted(arrays) == sorted(states[0])
+    tp_index, checked = mesh.axis_names.index("tp"), 0
+    for name, array in arrays.items():
+        for shard in array.addressable_shards:
+            tensor = states[int(np.argwhere(mesh.devices == shard.device)[0][tp_index])][name]
+            data = np.asarray(shard.data)
+            if data.shape == (1, *tensor.shape) and array.shape == (tp, *tensor.shape):
+                data = data[0]  # one entry per rank
+            assert data.shape == tuple(tensor.shape), f"{name} on {shard.device}: {data.shape} vs {tuple(tensor.shape)}"
+            assert np.array_equal(_bits(data), _torch_bits(tensor)), f"{name} on {shard.device}: not its rank's tensor"
+            checked += 1
+    scales = [n for n in arrays if "qkv_proj.weight_scale" in n]
+    assert scales and all(arrays[n].shape[0] == tp for n in scales if quantization == "fp8"), scales
+    return checked
+
+
+def check_quantized_moe_refused(path: str, quantization: str) -> str:
+    import jax
+    from jax.sharding import Mesh
+
+    import functional_load as fl
+
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("dp", "tp"))
+    with pytest.raises(fl.LoadError) as torch_side:
+        fl.load(path, tp_size=2, rank=1, quantization=quantization, progress=False)
+    with pytest.raises(fl.LoadError) as jax_side:
+        fl.load_jax(path, mesh, quantization=quantization)
+    assert str(jax_side.value) == str(torch_side.value)
+    return str(jax_side.value)
+
+
+QUANTIZED = [(q, tp) for q in ("fp8", "fp8_block") for tp in (2, 4)]
+
+
+@pytest.fixture(scope="module")
+def quantized(tiny_checkpoint):
+    dense = str(tiny_checkpoint("llama", kv_heads=2, hidden_size=256, intermediate_size=512))
+    moe = str(tiny_checkpoint("qwen3_moe", kv_heads=2))
+    calls = {f"{q}-tp{tp}": ("check_quantized", {"path": dense, "tp": tp, "quantization": q}) for q, tp in QUANTIZED}
+    calls.update({f"moe-{q}": ("check_quantized_moe_refused", {"path": moe, "quantization": q}) for q in ("fp8", "fp8_block")})
+    return Cases(HERE, globals(), calls, devices=8, timeout=300)
+
+
+@pytest.mark.parametrize(("quantization", "tp"), QUANTIZED)
+def test_load_jax_quantized_equals_load_device_by_device(quantized, quantization, tp):
+    assert quantized.check(f"{quantization}-tp{tp}") > 0
+
+
+@pytest.mark.parametrize("quantization", ["fp8", "fp8_block"])
+def test_load_jax_refuses_quantizing_experts_as_load_does(quantized, quantization):
+    assert "quantizing MoE experts while loading" in quantized.check(f"moe-{quantization}")
+
+
+# -------------------------------------------------------------------------------------------
 # Two jax.distributed processes
 
 

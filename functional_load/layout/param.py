@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .parallel import Parallel
+from .placement import PerRank, Placement, Same
 from .sharding import Sharding
 
 
@@ -32,6 +33,15 @@ class ParamSpec:
     stored: tuple[str, ...] = ()  # dtypes the checkpoint must store it in (empty: any that casts)
     role: str = "weight"  # what it is in its module: weight, scale, zero, bias... (layout.quantized.ParamDef)
     transform: str | None = None  # computed from the stored values as read ("neg_exp": -exp(x), Mamba's A from A_log)
+
+    def placement(self, parallel: Parallel) -> Placement:
+        """Where this parameter's values live across the ranks. A parameter computed at load from
+        this rank's slice of another (an online quantization scale of a split weight) differs per
+        rank even where its descriptor says every rank holds the same shape: ``PerRank``."""
+        placement = self.sharding.placement(parallel)
+        if self.derived and isinstance(placement, Same) and parallel.tp_size > 1:
+            return PerRank()
+        return placement
 
     def local_pieces(self, parallel: Parallel, dim: int = 0) -> list[tuple[Any, tuple[int, int]]]:
         """``(segment id, local range)`` along ``dim`` on this rank: each fused segment's, when the

@@ -87,7 +87,7 @@ def vllm_arrays(
                 f"{spec.name}: ranks hold blocks of different shapes {sorted(shapes)}, which one global array "
                 f"cannot shard evenly (e.g. a number of experts that does not divide over the ranks)"
             )
-        shape, placement = spec.local_shape, spec.sharding.placement(first.parallel)
+        shape, placement = spec.local_shape, spec.placement(first.parallel)
         if isinstance(placement, Along):
             d = placement.dim
             global_shape, pspec = shape[:d] + (shape[d] * tp_size,) + shape[d + 1 :], PartitionSpec(*([None] * d + [entry]))
