@@ -11,6 +11,7 @@ is its own argument, not an option.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,7 +88,11 @@ class LoadOptions:
         fields = [f.name for f in dataclasses.fields(self)]
         unknown = sorted(set(changes) - set(fields))
         if unknown:
-            raise ConfigError(f"unknown option(s) {unknown}; the options (LoadOptions fields) are {fields}")
+            hints = [f"{name}: did you mean {_closest(name, fields)}?" for name in unknown if _closest(name, fields)]
+            raise ConfigError(
+                f"unknown option(s) {unknown}" + "".join(f"; {h}" for h in hints)
+                + f"; the options (LoadOptions fields) are {fields}, beside the arguments tp_size and rank"
+            )
         return dataclasses.replace(self, **changes) if changes else self
 
     def parallel(self, tp_size: int, rank: int) -> Parallel:
@@ -100,6 +105,18 @@ class LoadOptions:
         if self.spec is None or isinstance(self.spec, ArchSpec):
             return self.spec
         return find_spec(Path(self.spec) if not isinstance(self.spec, str) else self.spec)
+
+
+# what other loaders call the entry points' own arguments
+_ARGUMENT_NAMES = {"tp": "tp_size", "tensor_parallel_size": "tp_size", "world_size": "tp_size", "tp_rank": "rank"}
+
+
+def _closest(name: str, fields: list[str]) -> str:
+    """The argument or option a mistyped keyword most likely meant ("" when none is close)."""
+    if name in _ARGUMENT_NAMES:
+        return _ARGUMENT_NAMES[name]
+    close = difflib.get_close_matches(name, [*fields, "tp_size", "rank"], n=1)
+    return close[0] if close else ""
 
 
 def resolve_options(options: LoadOptions, overrides: dict[str, Any]) -> LoadOptions:

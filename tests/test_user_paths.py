@@ -251,3 +251,23 @@ def test_written_weight_files_follow_the_umask(llama, tmp_path):
     assert len(files) == 4
     for path in files:
         assert path.stat().st_mode & 0o777 == 0o644, (path, oct(path.stat().st_mode & 0o777))
+
+
+@pytest.mark.parametrize(("keyword", "meant"), [("tp", "tp_size"), ("tensor_parallel_size", "tp_size"), ("tp_rank", "rank"),
+                                                 ("dtyp", "dtype"), ("expert_paralel", "expert_parallel")])
+def test_a_mistyped_keyword_names_what_it_meant(llama, keyword, meant):
+    with pytest.raises(fl.ConfigError, match=f"{keyword}: did you mean {meant}\\?"):
+        fl.load(llama, **{keyword: 1})
+
+
+def test_a_mistyped_local_path_is_called_one(tmp_path, monkeypatch):
+    """``models/tiny-lama`` has the shape of a Hub repo id; when ``models/`` is a local directory
+    the error says the path is mistyped and names the closest directories, not only the Hub."""
+    (tmp_path / "models" / "tiny-llama").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(fl.MissingFileError) as info:
+        fl.plan("models/tiny-lama", tp_size=2)
+    assert "looks like a mistyped path" in str(info.value) and "did you mean models/tiny-llama?" in str(info.value)
+    assert "Hugging Face Hub repo id" in str(info.value)

@@ -19,6 +19,7 @@ never a ``huggingface_hub`` exception. ``huggingface_hub`` is imported only for 
 
 from __future__ import annotations
 
+import difflib
 import glob
 import os
 import re
@@ -92,7 +93,26 @@ def resolve_model(
             )
         return model
     assert isinstance(model, str)
-    return _snapshot(model, revision, cache_dir(), offline(), None, load_format, allow_pickle, weights)
+    try:
+        return _snapshot(model, revision, cache_dir(), offline(), None, load_format, allow_pickle, weights)
+    except MissingFileError as exc:
+        better = _mistyped_path(model, exc)
+        if better is None:
+            raise
+        raise better from exc
+
+
+def _mistyped_path(model: str, exc: MissingFileError) -> MissingFileError | None:
+    """When ``org`` of ``org/name`` is a local directory, the likelier mistake is a mistyped path."""
+    folder = Path(model).parent
+    if not folder.is_dir():
+        return None
+    close = difflib.get_close_matches(Path(model).name, sorted(p.name for p in folder.iterdir() if p.is_dir()), n=3)
+    hint = f"; did you mean {' or '.join(str(folder / c) for c in close)}?" if close else ""
+    return MissingFileError(
+        f"{model}: no such directory ({folder}/ is a local directory here, so this looks like a mistyped path){hint} "
+        f"As a Hugging Face Hub repo id it was not found either: {exc}"
+    )
 
 
 def files_to_fetch(names: Iterable[str], load_format: str, folder: Path, allow_pickle: bool = False, where: str = "") -> tuple[str, ...]:
