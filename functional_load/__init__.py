@@ -23,18 +23,22 @@ from .layout.parallel import Parallel as Parallel
 from .layout.sharding import Replicated as Replicated
 from .layout.sharding import Split as Split
 from .layout.sharding import VocabSplit as VocabSplit
+from .model.targetmap import Drop as Drop
 from .model.targetmap import Rule as Rule
 from .model.targetmap import TargetMap as TargetMap
 from .options import LoadOptions as LoadOptions
 from .output.state import LoadedState as LoadedState
 from .plan import Plan as Plan
 from .transform.dequant import dequantize as dequantize
+from .verify import VerifyReport as VerifyReport
+from .verify import verify_ranks as verify
 from .vllm_target import VLLM_VERSION as VLLM_VERSION
 
 __all__ = [
     "VLLM_VERSION",
     "CheckpointError",
     "ConfigError",
+    "Drop",
     "LoadError",
     "LoadOptions",
     "LoadedState",
@@ -48,6 +52,7 @@ __all__ = [
     "ShardingError",
     "Split",
     "TargetMap",
+    "VerifyReport",
     "VocabSplit",
     "dequantize",
     "layout",
@@ -55,4 +60,5 @@ __all__ = [
     "load_jax",
     "plan",
     "save_sharded",
+    "verify",
 ]

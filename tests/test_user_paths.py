@@ -271,3 +271,11 @@ def test_a_mistyped_local_path_is_called_one(tmp_path, monkeypatch):
         fl.plan("models/tiny-lama", tp_size=2)
     assert "looks like a mistyped path" in str(info.value) and "did you mean models/tiny-llama?" in str(info.value)
     assert "Hugging Face Hub repo id" in str(info.value)
+
+
+def test_the_names_the_docs_use_are_exported():
+    """``fl.verify`` and ``fl.Drop`` are named in the README and docs/jax.md."""
+    report = fl.verify(Path(__file__).resolve().parents[1] / "examples" / "tiny-llama", tp_size=2)
+    assert isinstance(report, fl.VerifyReport) and report.ok and not report.problems
+    assert fl.Drop("mtp\\..*", "multi-token prediction is not served").reason
+    assert {"verify", "Drop", "VerifyReport"} <= set(fl.__all__)
