@@ -30,7 +30,6 @@ from .options import LoadOptions as LoadOptions
 from .output.state import LoadedState as LoadedState
 from .plan import Plan as Plan
 from .transform.dequant import dequantize as dequantize
-from .verify import VerifyReport as VerifyReport
 from .verify import verify_ranks as verify
 from .vllm_target import VLLM_VERSION as VLLM_VERSION
 
@@ -52,7 +51,6 @@ __all__ = [
     "ShardingError",
     "Split",
     "TargetMap",
-    "VerifyReport",
     "VocabSplit",
     "dequantize",
     "layout",
