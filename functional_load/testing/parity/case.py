@@ -8,6 +8,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from ..archs import ARCHS
 from ..checkpoints import write_checkpoint
 from ..mistral_format import add_mistral_copy
 from ..multimodal import rename_checkpoint
@@ -47,7 +48,9 @@ class Options:
 
     def vllm(self) -> dict[str, Any]:
         return {
-            "expert_parallel": self.expert_parallel, "expert_placement": self.expert_placement, "dtype": self.dtype or "auto",
+            "expert_parallel": self.expert_parallel,
+            "expert_placement": self.expert_placement,
+            "dtype": self.dtype or "auto",
             "load_format": self.load_format,
         }
 
@@ -104,3 +107,10 @@ class Case:
             if self.mistral_copy:
                 add_mistral_copy(out)
         return out
+
+
+def check_case(key: str, tps: tuple[int, ...], kv_heads: int = 2) -> Case:
+    """vLLM's side of ``functional-load check-spec``: the tiny checkpoint of ``ARCHS[key]`` at ``tps``."""
+    arch = ARCHS[key]
+    build = {"kv_heads": kv_heads} if arch.kv_heads_key else {}
+    return Case(f"check-{key}", key, build, tps=tps, options=MOE if arch.moe else DENSE, multimodal=arch.text_config_key is not None)

@@ -11,9 +11,9 @@ harness.
 
 from __future__ import annotations
 
-from .case import DENSE, MOE, Case, Options
+from .case import DENSE, MOE, Case, Options, check_case
 
-__all__ = ["CASES", "Case", "Options", "select"]
+__all__ = ["CASES", "CHECK_SPEC", "RECORDED", "Case", "Options", "select"]
 
 
 # Formats vLLM no longer reads, or crashes on, that functional_load loads (its dequantization
@@ -171,3 +171,9 @@ def select(cases: tuple[Case, ...], patterns: list[str]) -> tuple[Case, ...]:
     if not patterns:
         return cases
     return tuple(c for c in cases if any(p in c.name for p in patterns))
+
+
+# vLLM's side of the check-spec runs the test suite replays (tests/test_check_spec.py):
+# ``functional-load check-spec gpt2 --tp 1,2``, and a Llama spec at tp 2.
+CHECK_SPEC: tuple[Case, ...] = (check_case("gpt2", (1, 2)), check_case("llama", (2,)))
+RECORDED: tuple[Case, ...] = CASES + CHECK_SPEC  # every case whose vLLM answers tests/oracle/vllm/ holds

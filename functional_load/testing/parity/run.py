@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
 import sys
 import time
 import warnings
@@ -25,10 +23,9 @@ import functional_load as fl
 
 from ...model.config import read_config
 from ...model.spec import spec_for_config
-from . import env
+from .. import records
 from .case import Case, Options
-
-WORKER = Path(__file__).with_name("vllm_worker.py")
+from .record import Oracle
 
 IDENTICAL = "identical"
 REFUSED_BOTH = "refused by both"
@@ -68,7 +65,14 @@ def job_id(case: Case, tp: int, options: Options) -> str:
 
 def _jobs(cases: Iterable[Case], models: Mapping[str, Path]) -> list[dict[str, Any]]:
     jobs = {
-        job_id(c, tp, o): {"id": job_id(c, tp, o), "model": str(models[c.name]), "tp": tp, **o.vllm(), "multimodal": c.multimodal}
+        job_id(c, tp, o): {
+            "id": job_id(c, tp, o),
+            "case": c.name,
+            "model": str(models[c.name]),
+            "tp": tp,
+            **o.vllm(),
+            "multimodal": c.multimodal,
+        }
         for c in cases
         for tp in c.tps
         for o in c.options
@@ -76,64 +80,13 @@ def _jobs(cases: Iterable[Case], models: Mapping[str, Path]) -> list[dict[str, A
     return list(jobs.values())
 
 
-def run_vllm(
-    python: Path, jobs: list[dict[str, Any]], out: Path, workers: int = 2, timeout: float = 1500, torchvision: Path | None = None
-) -> None:
-    """Real vLLM loads every job's ranks, ``workers`` processes at once (one per batch of jobs).
-    Multimodal jobs run after the others, in workers with ``torchvision`` on ``PYTHONPATH``."""
-    out.mkdir(parents=True, exist_ok=True)
-    plain = [j for j in jobs if not j.get("multimodal")]
-    multimodal = [j for j in jobs if j.get("multimodal")]
-    if multimodal and torchvision is None:
-        raise ValueError("multimodal jobs need the torchvision directory (env.ensure_torchvision())")
-    _run_workers(python, plain, out, workers, timeout, None, "")
-    _run_workers(python, multimodal, out, workers, timeout, torchvision, "mm-")
-
-
-def _run_workers(
-    python: Path, jobs: list[dict[str, Any]], out: Path, workers: int, timeout: float, pythonpath: Path | None, tag: str
-) -> None:
-    batches = [jobs[i::workers] for i in range(workers) if jobs[i::workers]]
-    procs = []
-    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1"}
-    if pythonpath is not None:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(pythonpath), os.environ.get("PYTHONPATH", "")) if p)
-    for n, batch in enumerate(batches):
-        i = f"{tag}{n}"
-        spec = out / f"jobs-{i}.json"
-        spec.write_text(json.dumps(batch, indent=1))
-        log = open(out / f"vllm-{i}.log", "w")
-        proc = subprocess.Popen([str(python), str(WORKER), str(spec), str(out)], stdout=log, stderr=subprocess.STDOUT, env=env)
-        procs.append((proc, log, i))
-    deadline = time.monotonic() + timeout
-    failed = []
-    for proc, log, i in procs:
-        try:
-            code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            code = -9
-        log.close()
-        if code:
-            failed.append(f"vLLM worker {i} exited with {code}; see {out / f'vllm-{i}.log'}")
-    if failed:
-        raise RuntimeError("; ".join(failed))
-
-
-def _bits(t: Any) -> Any:
-    import torch
-
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
 def compare_state(ours: Mapping[str, Any], theirs: Mapping[str, Any], aliases: Mapping[str, str]) -> tuple[list[str], list[str]]:
-    """(problems, listed): every name, shape, dtype and byte must agree; vLLM aliases of a
+    """(problems, listed): every name, shape, dtype and byte must agree (``theirs`` holds vLLM's
+    ``[dtype, shape, sha256]`` of each tensor, :func:`records.tensor_digest`); vLLM aliases of a
     compared tensor that functional_load does not name are listed."""
-    import torch
-
     problems, listed = [], []
     for name in sorted(set(ours) | set(theirs) | set(aliases)):
-        mine = ours.get(name)
+        mine = records.tensor_digest(ours[name]) if name in ours else None
         other = theirs.get(name)
         if other is None and name in aliases:
             if mine is None:
@@ -141,15 +94,13 @@ def compare_state(ours: Mapping[str, Any], theirs: Mapping[str, Any], aliases: M
                 continue
             other = theirs.get(aliases[name])
         if mine is None:
-            assert other is not None
-            problems.append(f"{name}: only vLLM has it, {other.dtype} {list(other.shape)}")
+            problems.append(f"{name}: only vLLM has it, {other[0]} {other[1]}" if other else f"{name}: an alias of nothing")
         elif other is None:
-            problems.append(f"{name}: only functional_load has it, {mine.dtype} {list(mine.shape)}")
-        elif mine.dtype != other.dtype or tuple(mine.shape) != tuple(other.shape):
-            problems.append(f"{name}: ours {mine.dtype} {list(mine.shape)}, vLLM {other.dtype} {list(other.shape)}")
-        elif not torch.equal(_bits(mine), _bits(other)):
-            differ = int((_bits(mine) != _bits(other)).sum())
-            problems.append(f"{name}: {differ} of {mine.numel() * mine.element_size()} bytes differ")
+            problems.append(f"{name}: only functional_load has it, {mine[0]} {mine[1]}")
+        elif mine[:2] != list(other[:2]):
+            problems.append(f"{name}: ours {mine[0]} {mine[1]}, vLLM {other[0]} {other[1]}")
+        elif mine[2] != other[2]:
+            problems.append(f"{name}: the bytes differ (sha256 ours {mine[2][:12]}, vLLM {other[2][:12]})")
     return problems, listed
 
 
@@ -167,10 +118,8 @@ def _short(message: str, limit: int = 160) -> str:
     return first if len(first) <= limit else first[: limit - 3] + "..."
 
 
-def compare_job(case: Case, tp: int, options: Options, model: Path, result: Mapping[str, Any], out: Path) -> list[Row]:
-    """The rows of one (case, tp, options) job."""
-    from safetensors.torch import load_file
-
+def compare_job(case: Case, tp: int, options: Options, model: Path, result: Mapping[str, Any]) -> list[Row]:
+    """The rows of one (case, tp, options) job, from vLLM's answer (:mod:`.record`)."""
     rows = []
     row = lambda rank, outcome, detail="", listed=(): Row(case.name, tp, rank, options.label, outcome, detail, tuple(listed))
     refused = result.get("refused")
@@ -204,7 +153,7 @@ def compare_job(case: Case, tp: int, options: Options, model: Path, result: Mapp
             continue
         assert rank is not None
         ours = _ours(model, tp, rank, options, plan_only=False)
-        saved = load_file(str(out / job_id(case, tp, options) / f"rank{rank}.safetensors"))
+        saved = vllm["tensors"]
         vision: list[str] = []
         if options.text_only:  # vLLM's whole model, less the parameters text_only leaves out
             saved, vision = _language_model(saved, model, tp, rank, options)
@@ -219,9 +168,7 @@ def compare_job(case: Case, tp: int, options: Options, model: Path, result: Mapp
         else:
             rows.append(row(rank, IDENTICAL, "", listed))
     architecture, spec, vllm_class, quantization = _about(model, result)
-    return [
-        dataclasses.replace(r, architecture=architecture, spec=spec, vllm_class=vllm_class, quantization=quantization) for r in rows
-    ]
+    return [dataclasses.replace(r, architecture=architecture, spec=spec, vllm_class=vllm_class, quantization=quantization) for r in rows]
 
 
 def _about(model: Path, result: Mapping[str, Any]) -> tuple[str, str, str, str]:
@@ -261,28 +208,28 @@ def _placement_problem(state: Any, experts: Mapping[str, Any]) -> str:
     return ""
 
 
-def run_parity(cases: Iterable[Case], work: Path, *, python: Path, workers: int = 2, progress: bool = True) -> list[Row]:
-    """Build, run vLLM, compare; one Row per (case, tp, rank, options)."""
+def case_jobs(cases: Iterable[Case], work: Path) -> tuple[dict[str, Path], list[dict[str, Any]]]:
+    """The cases' checkpoints (written under ``work/models``) and vLLM's jobs over them."""
     cases = list(cases)
-    models_root = work / "models"
-    models = {c.name: c.write(models_root) for c in cases}
-    out = work / "vllm"
-    jobs = _jobs(cases, models)
-    torchvision = env.ensure_torchvision() if any(c.multimodal for c in cases) else None
+    models = {c.name: c.write(work / "models") for c in cases}
+    return models, _jobs(cases, models)
+
+
+def run_parity(cases: Iterable[Case], work: Path, *, oracle: Oracle, progress: bool = True) -> list[Row]:
+    """Build the checkpoints, get vLLM's answers from ``oracle`` (:class:`.record.Recorded` or
+    :class:`.record.Live`), compare; one Row per (case, tp, rank, options)."""
+    cases = list(cases)
+    models, jobs = case_jobs(cases, work)
+    answers = oracle.answers(jobs, work)
     start = time.perf_counter()
-    run_vllm(python, jobs, out, workers, torchvision=torchvision)
-    if progress:
-        print(f"vLLM loaded {len(jobs)} configurations in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     rows = []
     for case in cases:
         for tp in case.tps:
             for options in case.options:
-                result_file = out / job_id(case, tp, options) / "result.json"
-                if not result_file.exists():
-                    rows.append(Row(case.name, tp, None, options.label, DIFFERENT, f"vLLM wrote no result ({result_file})"))
-                    continue
-                result = json.loads(result_file.read_text())
-                rows.extend(compare_job(case, tp, options, models[case.name], result, out))
+                answer = answers[job_id(case, tp, options)]
+                rows.extend(compare_job(case, tp, options, models[case.name], answer))
+    if progress:
+        print(f"functional_load compared {len(rows)} rows in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     return rows
 
 
