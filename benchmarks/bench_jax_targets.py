@@ -438,8 +438,8 @@ def worker_main(job: dict[str, Any]) -> int:
     seconds = time.perf_counter() - start
     storage = _proc_io("read_bytes") - io0
     peak = _status_bytes("VmHWM")
-    from functional_load.testing.jaxstacks.check import shard_bytes
     from functional_load.testing.jaxstacks.common import flatten
+    from functional_load.testing.jaxstacks.replay import shard_bytes
 
     report = {"seconds": seconds, "marks": marks, "storage_read": storage, "logical_read": logical, "peak_rss": peak,
               "baseline_rss": baseline, "shard_bytes": shard_bytes(tree), "leaves": len(flatten(tree)),

@@ -103,6 +103,57 @@ def describe_rows(tree: Any) -> list[tuple[str, tuple[int, ...], str, str]]:
     return rows
 
 
+def spec_json(spec: Any) -> list[Any]:
+    """A ``PartitionSpec`` as JSON: one entry per dimension, ``None``, an axis name or a list of names."""
+    return [list(entry) if isinstance(entry, tuple) else entry for entry in spec]
+
+
+def placement(sharding: Any, shape: Any) -> str:
+    """The SHA-256 of where a sharding puts an array of ``shape``: per device id, the box it holds
+    (``[start, stop]`` per dimension). Two shardings place alike exactly when
+    ``is_equivalent_to`` holds (memory kinds aside), whatever their meshes or specs."""
+    import hashlib
+    import json
+
+    shape = tuple(int(n) for n in shape)
+    rows = []
+    for device, index in sharding.devices_indices_map(shape).items():
+        box = [[s.start or 0, n if s.stop is None else s.stop] for s, n in zip(index, shape)]
+        rows.append([device.id, box])
+    return hashlib.sha256(json.dumps(sorted(rows), separators=(",", ":")).encode()).hexdigest()
+
+
+def describe_target(tree: Any, mesh: Any) -> dict[str, Any]:
+    """An abstract target tree as JSON: the mesh (axes in order with their sizes, device ids in
+    mesh order, axis types) and per leaf its key path (dict keys as they are: ``int`` layer keys
+    stay ``int``), shape, dtype, ``PartitionSpec`` and :func:`placement`. Only trees of nested
+    dicts of ``ShapeDtypeStruct`` with a ``NamedSharding`` over ``mesh`` are described."""
+    import jax
+
+    leaves: dict[str, Any] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if not all(isinstance(k, jax.tree_util.DictKey) and isinstance(k.key, (str, int)) for k in path):
+            raise TypeError(f"{path_str(path)}: only nested dicts keyed by str or int are described")
+        if leaf.sharding.mesh.shape_tuple != mesh.shape_tuple:
+            raise ValueError(f"{path_str(path)}: sharded over {leaf.sharding.mesh}, not the target's mesh")
+        leaves[path_str(path)] = {
+            "path": [k.key for k in path],
+            "shape": list(leaf.shape),
+            "dtype": str(leaf.dtype),
+            "spec": spec_json(leaf.sharding.spec),
+            "placement": placement(leaf.sharding, leaf.shape),
+        }
+    types = [getattr(t, "name", str(t)) for t in getattr(mesh, "axis_types", ())]
+    return {
+        "mesh": {
+            "axes": [[name, int(size)] for name, size in mesh.shape.items()],
+            "devices": [int(d.id) for d in mesh.devices.flat],
+            "axis_types": types,
+        },
+        "leaves": leaves,
+    }
+
+
 def print_table(rows: list[tuple[str, tuple[int, ...], str, str]], out: Any = None) -> None:
     out = out or sys.stdout
     width = max((len(r[0]) for r in rows), default=10)
@@ -139,8 +190,11 @@ def read_npz(path: str | Path) -> dict[str, Any]:
 
     data = np.load(path)
     dtypes = json.loads(str(data["__dtypes__"])) if "__dtypes__" in data else {}
-    return {name: data[name].view(getattr(ml_dtypes, dtypes[name])) if name in dtypes else data[name]
-            for name in data.files if name != "__dtypes__"}
+    return {
+        name: data[name].view(getattr(ml_dtypes, dtypes[name])) if name in dtypes else data[name]
+        for name in data.files
+        if name != "__dtypes__"
+    }
 
 
 def load_npz_into(target: Any, path: str | Path) -> Any:
@@ -162,8 +216,9 @@ def load_npz_into(target: Any, path: str | Path) -> Any:
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def run_cli(name: str, abstract: Callable[..., Any], own: Callable[..., Any], forward: Callable[..., Any],
-            argv: list[str] | None = None) -> int:
+def run_cli(
+    name: str, abstract: Callable[..., Any], own: Callable[..., Any], forward: Callable[..., Any], argv: list[str] | None = None
+) -> int:
     """``describe CKPT --mesh ... [--scan]``, ``own CKPT OUT.npz --mesh ...``,
     ``forward CKPT PARAMS.npz --mesh ... --ids 1,2,3 [--out LOGITS.npy]`` for a worker."""
     import argparse

@@ -6,9 +6,9 @@ for 8 fixed token ids; also that the own loader's tree matches the abstract targ
     .venv-tpu-inference/bin/python -m functional_load.testing.jaxstacks.smoke tpu-inference
     .venv-maxtext/bin/python -m functional_load.testing.jaxstacks.smoke maxtext
 
-The checkpoints and their transformers logits come from :mod:`.tiny`, run in this interpreter
-when it has torch, else in the repository's ``.venv`` (``FUNCTIONAL_LOAD_TORCH_PYTHON`` to
-override). Exits non-zero when a case fails or a diff exceeds ``--tolerance``.
+The checkpoints and their transformers logits come from :mod:`.tiny`, run in the repository's
+``.venv`` (``FUNCTIONAL_LOAD_TORCH_PYTHON`` to override), so every stack reads the same files.
+Exits non-zero when a case fails or a diff exceeds ``--tolerance``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .cases import WORKERS
 from .common import flatten, setup_cpu_devices
+from .tiny import reference_path
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -60,26 +62,26 @@ CASES: dict[str, list[Case]] = {
         Case("qwen3", {"fsdp": 4, "tensor": 2}, options={"scan_layers": False}),
     ],
 }
-WORKERS = {"tpu-inference": "tpu_inference_stack", "maxtext": "maxtext_stack"}
 
 
 def torch_python() -> str:
-    """An interpreter with torch and transformers: ``$FUNCTIONAL_LOAD_TORCH_PYTHON``, this one,
-    the repository's ``.venv`` or ``.venv-ci``, or the tpu-inference environment."""
+    """The interpreter that writes the tiny checkpoints: ``$FUNCTIONAL_LOAD_TORCH_PYTHON``, the
+    repository's ``.venv``, else this one when it has torch and transformers, else ``.venv-ci``."""
     if os.environ.get("FUNCTIONAL_LOAD_TORCH_PYTHON"):
         return os.environ["FUNCTIONAL_LOAD_TORCH_PYTHON"]
+    main = ROOT / ".venv" / "bin" / "python"
+    if main.exists():
+        return str(main)
     if importlib.util.find_spec("torch") and importlib.util.find_spec("transformers"):
         return sys.executable
-    for venv in (".venv", ".venv-ci", ".venv-tpu-inference"):
-        candidate = ROOT / venv / "bin" / "python"
-        if candidate.exists():
-            return str(candidate)
+    if (ROOT / ".venv-ci" / "bin" / "python").exists():
+        return str(ROOT / ".venv-ci" / "bin" / "python")
     raise RuntimeError("no Python with torch and transformers to write the tiny checkpoints (set FUNCTIONAL_LOAD_TORCH_PYTHON)")
 
 
 def checkpoint(arch: str, head_dim: int, workdir: Path) -> Path:
     directory = workdir / f"{arch}-hd{head_dim}"
-    if not (directory / "logits.npy").exists():
+    if not reference_path(directory).exists():
         args = [torch_python(), "-m", "functional_load.testing.jaxstacks.tiny", arch, str(directory), "--head-dim", str(head_dim)]
         done = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
         if done.returncode:
@@ -110,7 +112,7 @@ def run_case(worker: Any, case: Case, workdir: Path) -> float:
     problems = same_layout(target, loaded)
     if problems:
         raise AssertionError("own load differs from the abstract target:\n  " + "\n  ".join(problems[:20]))
-    tiny = np.load(directory / "logits.npy")
+    tiny = np.load(reference_path(directory))
     tokens = json.loads((directory / "tiny.json").read_text())["tokens"]
     logits = worker.forward(loaded, handle, tokens)
     if logits.shape != tiny.shape:
@@ -143,8 +145,11 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             ok = diff <= args.tolerance
             failed += not ok
-            print(f"{'ok  ' if ok else 'FAIL'} {args.stack} {case.name}: max |logits - transformers| = {diff:.3g} "
-                  f"({time.perf_counter() - start:.1f} s)", flush=True)
+            print(
+                f"{'ok  ' if ok else 'FAIL'} {args.stack} {case.name}: max |logits - transformers| = {diff:.3g} "
+                f"({time.perf_counter() - start:.1f} s)",
+                flush=True,
+            )
     return 1 if failed else 0
 
 

@@ -1,13 +1,19 @@
-"""Tiny float32 transformers checkpoints for the JAX-stack smoke runs, and their reference logits.
+"""Tiny float32 transformers checkpoints for the JAX-stack runs, and their reference logits.
 
-Needs torch and transformers (every stack environment with torch has both; the MaxText one has
-neither, so its smoke run asks the repository's ``.venv`` to write the checkpoint and the logits:
-``python -m functional_load.testing.jaxstacks.tiny ARCH DIR [--head-dim N]``).
+Needs torch and transformers (the repository's ``.venv`` has both: the stacks' checks and the
+recorder ask it to write the checkpoints, ``python -m functional_load.testing.jaxstacks.tiny ARCH DIR
+[--head-dim N]``, so every stack reads the same files).
 
 Sizes: 2 layers, hidden 64, 4 attention heads, 2 KV heads, intermediate 128, vocab 256, RoPE theta
 10000 (set in ``rope_parameters``, the transformers 5 spelling), untied ``lm_head``, norms and every
 weight random (seeded) so no all-ones norm hides a missing transform. head_dim 16 unless a stack
 needs another (tpu-inference qwen3: 128 or 64).
+
+The files are byte-for-byte the same whatever the transformers release: ``config.json`` is
+:func:`config_dict` itself, ``model.safetensors`` the seeded tensors in name order (torch's
+generator decides them), ``tiny.json`` the tokens. The reference logits (float32 transformers, one
+thread) go next to the directory, in :func:`reference_path`, not in it: the recorded oracle
+answers are keyed by the directory's bytes, and the oracle never reads the reference.
 """
 
 from __future__ import annotations
@@ -46,11 +52,18 @@ def config_dict(arch: str, head_dim: int = 16, tie: bool = False) -> dict[str, A
     }
 
 
+def reference_path(directory: str | Path) -> Path:
+    """Where :func:`write` puts the reference logits of ``directory``: ``<directory>.logits.npy``."""
+    directory = Path(directory)
+    return directory.with_name(directory.name + ".logits.npy")
+
+
 def write(arch: str, directory: str | Path, head_dim: int = 16, seed: int = 0) -> Path:
-    """Write the tiny checkpoint (``model.safetensors`` + ``config.json``) and ``logits.npy``, the
-    float32 transformers logits of :data:`TOKENS`; returns the directory."""
+    """Write the tiny checkpoint (``config.json``, ``model.safetensors``, ``tiny.json``) and the
+    float32 transformers logits of :data:`TOKENS` (:func:`reference_path`); returns the directory."""
     import torch
     import transformers
+    from safetensors.torch import save_file
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -61,11 +74,18 @@ def write(arch: str, directory: str | Path, head_dim: int = 16, seed: int = 0) -
         for _, param in sorted(model.named_parameters()):
             param.copy_(torch.randn_like(param) * 0.2 + (1.0 if param.ndim == 1 else 0.0))
     model.eval()
-    model.save_pretrained(directory)
-    with torch.no_grad():
-        logits = model(torch.tensor([TOKENS])).logits[0].float().numpy()
-    np.save(directory / "logits.npy", logits)
+    tensors = {name: tensor.contiguous() for name, tensor in sorted(model.state_dict().items())}
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(config_dict(arch, head_dim), indent=2, sort_keys=True) + "\n")
     (directory / "tiny.json").write_text(json.dumps({"arch": arch, "head_dim": head_dim, "tokens": TOKENS, "seed": seed}))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one summation order whatever the machine
+    try:
+        with torch.no_grad():
+            logits = model(torch.tensor([TOKENS])).logits[0].float().numpy()
+    finally:
+        torch.set_num_threads(threads)
+    np.save(reference_path(directory), logits)
     return directory
 
 
