@@ -23,6 +23,8 @@ if str(Path(__file__).resolve().parent) not in sys.path:  # --import-mode=import
 
 from _subprocess_runner import Cases, child_env, finish, free_port, spawn
 
+from functional_load.testing.jaxstacks import replay
+
 HERE = str(Path(__file__).resolve())
 
 
@@ -135,19 +137,7 @@ def assert_tree_equal(got: Any, want: Any, target: Any) -> int:
     return len(got_flat)
 
 
-def shard_bytes(arrays: Any) -> int:
-    """Bytes of the distinct shards this process holds (a box on several devices counted once)."""
-    import jax
-
-    total = 0
-    for array in jax.tree_util.tree_leaves(arrays):
-        seen = set()
-        for shard in array.addressable_shards:
-            key = tuple((s.start, s.stop) for s in shard.index)
-            if key not in seen:
-                seen.add(key)
-                total += shard.data.nbytes
-    return total
+shard_bytes = replay.shard_bytes  # bytes of this process's distinct shards
 
 
 # -------------------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(16 << 20), b""):
@@ -138,7 +138,7 @@ def _write(states: Iterator[Any], out: Path, model_dir: Path | None) -> Path:
             with open(work / name, "rb+") as f:
                 os.fsync(f.fileno())
             _step(f"fsync rank {rank}")
-            files[name] = {"rank": rank, "size": (work / name).stat().st_size, "sha256": _sha256(work / name)}
+            files[name] = {"rank": rank, "size": (work / name).stat().st_size, "sha256": file_sha256(work / name)}
             params = {}
             for p in plan.params:
                 if any(c.repeat or c.rotary or c.transform or len(c.src) > len(c.dst) for c in p.copies):

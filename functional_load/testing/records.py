@@ -19,6 +19,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..output.save import file_sha256
+
 ROOT = Path(__file__).resolve().parents[2]
 RECORDS = ROOT / "tests" / "oracle"
 FORMAT = 1  # bump when what an answer holds changes: every key goes stale
@@ -41,11 +43,7 @@ def digest_bytes(data: bytes | memoryview) -> str:
 
 
 def file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    return file_sha256(Path(path))
 
 
 _TREES: dict[tuple[str, int, int, int], str] = {}

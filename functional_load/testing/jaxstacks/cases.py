@@ -35,7 +35,7 @@ class Case:
     @property
     def name(self) -> str:
         mesh = "x".join(f"{k}{v}" for k, v in self.mesh.items())
-        extra = ",".join(f"{k}={v}" for k, v in self.options.items())
+        extra = ",".join(f"{k}={v}" for k, v in self.options.items() if k != "model_name")
         return f"{self.arch}/hd{self.head_dim}/{mesh}" + (f"/{extra}" if extra else "")
 
     @property

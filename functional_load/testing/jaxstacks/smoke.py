@@ -23,29 +23,14 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .cases import WORKERS
+from .cases import WORKERS, Case
 from .common import flatten, setup_cpu_devices
 from .tiny import reference_path
 
 ROOT = Path(__file__).resolve().parents[3]
-
-
-@dataclass(frozen=True)
-class Case:
-    arch: str
-    mesh: dict[str, int]
-    head_dim: int = 16
-    options: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def name(self) -> str:
-        mesh = "x".join(f"{k}{v}" for k, v in self.mesh.items())
-        extra = ",".join(f"{k}={v}" for k, v in self.options.items() if k != "model_name")
-        return f"{self.arch}/hd{self.head_dim}/{mesh}" + (f"/{extra}" if extra else "")
 
 
 CASES: dict[str, list[Case]] = {
