@@ -8,7 +8,7 @@ everything first, then times only the load and reports one JSON line: seconds, o
 ``/proc/self/io`` read_bytes delta, peak RSS (VmHWM, which includes mapped file pages), baseline
 RSS, its own CPU seconds and the CPU seconds other processes used meanwhile.
 
-    python benchmarks/bench_load.py [DIR] [--quick] [--runs N] [--tp 1,2,4] [--out docs/performance.md]
+    python benchmarks/bench_load.py [DIR] [--quick] [--runs N] [--tp 1,2,4] [--out FILE.md]
     functional-load bench [DIR] ...            (the same)
 
 ``DIR`` defaults to /tmp/fl-bench/llama7b-4l and is generated with benchmarks/make_checkpoint.py
@@ -107,9 +107,9 @@ def parse_args(argv):
                         + ",".join(m.key for m in METHODS))
     parser.add_argument("--all-ranks", type=int, default=4, help="tp size of the all-ranks-at-once scenario (default 4; 0: skip)")
     parser.add_argument("--layers", type=int, default=None, help="layers of a generated checkpoint (default 4, 1 with --quick)")
-    parser.add_argument("--out", default=None, help="markdown file to write (default docs/performance.md; none with --quick)")
-    parser.add_argument("--nice", type=int, default=-10,
-                        help="niceness added to each measured worker (default -10: less disturbed by other jobs; needs root)")
+    parser.add_argument("--out", default=None, help="markdown file to write the results into (default: none, printed only)")
+    parser.add_argument("--nice", type=int, default=0,
+                        help="niceness added to each measured worker (default 0; -10 disturbs them less, as root)")
     parser.add_argument("--json", default=None, help="also write raw per-run results as JSON here")
     parser.add_argument("--from-json", default=None, help="render the tables from a --json file instead of measuring")
     args = parser.parse_args(argv)
@@ -119,8 +119,6 @@ def parse_args(argv):
         args.runs = 1 if args.quick else 3
     if args.layers is None:
         args.layers = 1 if args.quick else 4
-    if args.out is None and not args.quick:
-        args.out = str(REPO / "docs" / "performance.md")
     return args
 
 

@@ -7,12 +7,15 @@ Errors for bad input print as one message (no traceback) and exit with status 2.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TextIO
 
 from .api import load, plan, resolve_model_dir, weight_dtypes
 from .checkpoint.discover import checkpoint_format, discover
@@ -26,6 +29,7 @@ from .options import LoadOptions
 from .output.save import save_safetensors
 from .testing.checkspec import check_spec, report
 from .verify import verify_ranks
+from .vllm_target import VLLM_VERSION
 
 
 def _options(args: argparse.Namespace) -> LoadOptions:
@@ -125,7 +129,8 @@ def _bench(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="functional-load", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="functional-load", description=__doc__.split("\n\n")[0].replace("``", ""))
+    parser.add_argument("--version", action="version", version=f"functional-load {_version()} (vLLM {VLLM_VERSION} layouts)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def add(name: str, help: str, rank: bool = True):
@@ -141,8 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--threads", type=int, default=None, help="reader threads (default 4)")
         p.add_argument("--strategy", default=None, help="read strategy: auto | pread | mmap | eager")
         if rank:
-            p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-            p.add_argument("--rank", type=int, default=0, help="tensor-parallel rank")
+            p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+            p.add_argument("--rank", type=int, default=0, help="tensor-parallel rank (default 0)")
             p.add_argument("--dtype", default=None, help="destination dtype (default: the config's)")
             p.add_argument("--quantization", default=None, help="quantize an unquantized checkpoint while loading: fp8 | fp8_block")
             p.add_argument("--expert-parallel", action="store_true", help="spread whole MoE experts over the ranks")
@@ -177,17 +182,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", help="method keys, comma-separated (default: those marked default in benchmarks/bench_load.py)")
     p.add_argument("--all-ranks", type=int, help="tp size of the all-ranks-at-once scenario (default 4; 0: skip)")
     p.add_argument("--layers", type=int, help="layers of a generated checkpoint (default 4)")
-    p.add_argument("--out", help="markdown results file (default docs/performance.md; none with --quick)")
+    p.add_argument("--out", help="markdown file to write the results into (default: none, printed only)")
     p.add_argument("--json", help="also write the raw per-run results as JSON")
-    p.add_argument("--nice", type=int, help="niceness added to each measured worker (default -10)")
+    p.add_argument("--nice", type=int, help="niceness added to each measured worker (default 0; -10 as root disturbs them less)")
     p.set_defaults(run=_bench)
     return parser
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("functional_load")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
+def _warning(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: TextIO | None = None,
+             line: str | None = None) -> None:
+    """A library warning as one line of the CLI's own, with no source line."""
+    print(f"functional-load: warning: {message}", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        args.run(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = _warning
+            args.run(args)
     except LoadError as exc:
         print(f"functional-load: error: {exc}", file=sys.stderr)
         return 2

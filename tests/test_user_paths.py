@@ -8,6 +8,7 @@ rule for layout/plan/load, quiet library calls, and the plan's JSON names.
 from __future__ import annotations
 
 import gc
+import importlib.metadata
 import json
 import os
 import shutil
@@ -279,3 +280,20 @@ def test_the_names_the_docs_use_are_exported():
     assert report.ok and not report.problems and report.tp_size == 2
     assert fl.Drop("mtp\\..*", "multi-token prediction is not served").reason
     assert {"verify", "Drop"} <= set(fl.__all__)
+
+
+def test_cli_version_help_defaults_and_one_line_warnings(capsys, tiny_checkpoint):
+    from functional_load.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.startswith(f"functional-load {importlib.metadata.version('functional_load')} (vLLM ")
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    out = capsys.readouterr().out
+    assert "tensor-parallel size (default 1)" in out and "``" not in out
+    moe = tiny_checkpoint("qwen3_moe", kv_heads=2)
+    assert main(["plan", str(moe), "--tp", "2", "--expert-parallel", "--expert-placement", "round_robin"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("functional-load: warning: expert_placement='round_robin' falls back to 'linear'"), err
+    assert "UserWarning" not in err and "warnings.warn" not in err and len(err.splitlines()) == 1

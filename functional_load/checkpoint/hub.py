@@ -143,8 +143,8 @@ def files_to_fetch(names: Iterable[str], load_format: str, folder: Path, allow_p
         if not allow_pickle:
             raise SecurityError(
                 f"{where or folder}: the weights are pickle files ({', '.join(files[:3])}), which can run code when "
-                f"unpickled; nothing was downloaded. Use a revision with safetensors weights, or pass allow_pickle=True to "
-                f"load them with torch.load(weights_only=True)"
+                f"unpickled; nothing was downloaded. Use a revision with safetensors weights, or pass allow_pickle=True "
+                f"(CLI: --allow-pickle) to load them with torch.load(weights_only=True)"
             )
         return tuple(files)
     index = folder / (MISTRAL_INDEX if fmt == "mistral" else HF_INDEX)

@@ -296,7 +296,7 @@ def index_checkpoint(files: WeightFiles, *, allow_pickle: bool = False) -> Check
             raise SecurityError(
                 f"{files.directory}: the weights are pickle files ({names}), which can run code when unpickled; "
                 f"convert them to safetensors (transformers save_pretrained(..., safe_serialization=True)), or pass "
-                f"allow_pickle=True to load them with torch.load(weights_only=True)"
+                f"allow_pickle=True (CLI: --allow-pickle) to load them with torch.load(weights_only=True)"
             )
         return Checkpoint(files.directory, files.load_format, files.files, index_pickles(files.files), None)
     with paused_gc():
