@@ -446,3 +446,27 @@ def test_cli_plan_error_exit_status(llama_dir, tmp_path, capsys):
     assert cli_main(["plan", str(d)]) == 2
     err = capsys.readouterr().err
     assert "model.layers.1.mlp.down_proj.weight" in err and "Traceback" not in err
+
+
+def test_a_tensor_cut_from_a_shard_and_the_index_names_the_files_and_the_fix(tmp_path):
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    import functional_load as fl
+
+    model = tmp_path / "m"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "examples" / "tiny-llama", model)
+    index = json.loads((model / "model.safetensors.index.json").read_text())
+    name = "model.layers.0.mlp.down_proj.weight"
+    shard = index["weight_map"].pop(name)
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    tensors = load_file(model / shard)
+    del tensors[name]
+    save_file(tensors, model / shard, metadata={"format": "pt"})
+    with pytest.raises(fl.PlanError) as info:
+        fl.plan(model, tp_size=2)
+    text = str(info.value)
+    assert name in text and str(model) in text and "model.safetensors.index.json" in text
+    assert "download the checkpoint again" in text and "spec=" in text

@@ -291,9 +291,11 @@ def _completeness(
                 f"weight would be uninitialized"
             )
     if missing:
+        index = f"its index {checkpoint.index_file.name} and " if checkpoint.index_file else ""
         problems.append(
-            f"Following weights were not initialized from checkpoint: {_abbreviate(missing)}; the checkpoint in "
-            f"{checkpoint.directory} lacks them (wrong architecture, or an incomplete download?)"
+            f"Following weights were not initialized from checkpoint: {_abbreviate(missing)}; no tensor of the checkpoint "
+            f"in {checkpoint.directory} ({index}{len(checkpoint.files)} weight files) maps to them. Fix: download the "
+            f"checkpoint again if a file was cut or edited, or give the spec of its real architecture (spec=)"
         )
     return fills
 
