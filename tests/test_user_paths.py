@@ -297,3 +297,17 @@ def test_cli_version_help_defaults_and_one_line_warnings(capsys, tiny_checkpoint
     err = capsys.readouterr().err
     assert err.startswith("functional-load: warning: expert_placement='round_robin' falls back to 'linear'"), err
     assert "UserWarning" not in err and "warnings.warn" not in err and len(err.splitlines()) == 1
+
+
+def test_the_first_loads_read_seconds_do_not_count_importing_torch():
+    """A fresh process: the first load's read time is the reading, not torch's import (seconds)."""
+    code = (
+        "import sys, time, functional_load as fl; assert 'torch' not in sys.modules, 'torch imported early';"
+        "start = time.perf_counter(); s = fl.load(sys.argv[1], tp_size=4, rank=1); total = time.perf_counter() - start;"
+        "print(s.stats.read_seconds, total)"
+    )
+    model = Path(__file__).resolve().parents[1] / "examples" / "tiny-llama"
+    done = subprocess.run([sys.executable, "-c", code, str(model)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    read, total = map(float, done.stdout.split())
+    assert read < 0.25 * total, (read, total)  # 103 KB; importing torch takes most of the total
