@@ -27,7 +27,6 @@ from .model.config import model_dtype, read_config
 from .model.spec import spec_for_config
 from .options import LoadOptions
 from .output.save import save_safetensors
-from .testing.checkspec import check_spec, report
 from .verify import verify_ranks
 from .vllm_target import VLLM_VERSION
 
@@ -100,6 +99,8 @@ def _verify(args: argparse.Namespace) -> None:
 
 
 def _check_spec(args: argparse.Namespace) -> None:
+    from .testing.checkspec import check_spec, report  # the test harness (torch, transformers): only for this command
+
     checks = check_spec(
         args.target, tps=[int(t) for t in args.tp.split(",")], kv_heads=args.kv_heads,
         work=Path(args.work) if args.work else None, vllm=not args.no_vllm,

@@ -311,3 +311,18 @@ def test_the_first_loads_read_seconds_do_not_count_importing_torch():
     assert done.returncode == 0, done.stderr
     read, total = map(float, done.stdout.split())
     assert read < 0.25 * total, (read, total)  # 103 KB; importing torch takes most of the total
+
+
+def test_cli_help_and_plan_import_neither_torch_nor_the_test_harness():
+    """``functional-load --help`` and ``plan`` start in about 0.3 s here: torch, transformers and
+    the test harness are imported only by the commands that need them (load, verify, check-spec)."""
+    model = Path(__file__).resolve().parents[1] / "examples" / "tiny-llama"
+    code = (
+        "import sys, contextlib, io; from functional_load.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    assert main(['plan', sys.argv[1], '--tp', '4', '--rank', '1']) == 0\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'functional_load.testing') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(model)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout
