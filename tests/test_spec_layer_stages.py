@@ -78,3 +78,14 @@ def test_items_of_a_dict_keyed_by_layer_number() -> None:
     assert evaluate("per_layer_config[layer].head_dim", config) == 16
     assert evaluate("per_layer_config[0].head_dim or 8", {**config, "layer": 0}) == 8
     assert evaluate("missing[layer].head_dim or 8", {**config, "missing": None}) == 8  # no dict at all
+
+
+def test_a_dim_that_depends_on_the_layer_is_evaluated_per_layer() -> None:
+    """Scopes derived with ``with_layer`` share the dims' cache, keyed by the layer: a dim
+    ``layer * 2`` is 2 on layer 1 and 6 on layer 3, whichever layer asked first."""
+    from functional_load.model.expressions import Scope
+
+    scope = Scope({"hidden_size": 8}, {"width": "layer * 2", "half": "hidden_size // 2"})
+    assert [scope.with_layer(n)["width"] for n in (1, 3, 1)] == [2, 6, 2]
+    assert scope.with_layer(3).with_values(tp_size=2)["width"] == 6 and scope.with_layer(5)["half"] == 4
+    assert scope.with_values(extra=1).with_layer(2)["width"] == 4

@@ -152,7 +152,10 @@ class Scope(Mapping[str, Any]):
     ):
         self._config, self._dims, self._layer = config, dims, layer
         self._extra = dict(extra or {})
-        self._cache: dict[str, Any] = {}
+        # dims evaluated once per (name, layer, extra values), shared by the scopes derived from
+        # this one: a dim may depend on ``layer`` (``layer * 2``) or on an extra name
+        self._cache: dict[tuple[str, int | None, str], Any] = {}
+        self._values = repr(sorted(self._extra.items()))
         self._busy: set[str] = set()
 
     def with_layer(self, layer: int) -> Scope:
@@ -172,13 +175,14 @@ class Scope(Mapping[str, Any]):
         if name in self._extra:
             return self._extra[name]
         if name in self._dims and name not in self._busy:  # inside its own expression a dim means the config key
-            if name not in self._cache:
+            key = (name, self._layer, self._values)
+            if key not in self._cache:
                 self._busy.add(name)
                 try:
-                    self._cache[name] = evaluate(self._dims[name], self)
+                    self._cache[key] = evaluate(self._dims[name], self)
                 finally:
                     self._busy.discard(name)
-            return self._cache[name]
+            return self._cache[key]
         value = self._config.get(name)
         text = self._config.get("text_config")
         if value is None and isinstance(text, Mapping):  # a multimodal model's language model (Llama 4)

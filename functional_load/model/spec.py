@@ -21,6 +21,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from .mapping import RULE_KINDS, MappingTable, Rule, shard_id_tuple
+from .spec_fields import carried, check_module
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -151,6 +152,8 @@ def parse_spec(data: Mapping[str, Any], source: str = "<spec>") -> ArchSpec:
             ModuleSpec(pattern, fields["kind"], {k: v for k, v in fields.items() if k != "kind"})
             for pattern, fields in data["modules"].items()
         )
+        if problems := [p for m in modules for p in check_module(m.pattern, m.kind, m.fields)]:
+            raise ConfigError(f"{source}: {len(problems)} problems in its modules:\n  " + "\n  ".join(problems))
         tie = TieSpec(**data["tie"]) if "tie" in data else None
         return ArchSpec(
             name=data["name"],
@@ -246,10 +249,10 @@ def _all_raw() -> _RawSpecs:
 def _resolve(
     data: dict[str, Any], source: str, raw: Mapping[str, tuple[dict[str, Any], str]], seen: tuple[str, ...] = ()
 ) -> dict[str, Any]:
-    """Apply ``extends``: start from the base spec; ``dims``, each module's fields and each
-    mapping stage's rules (stage by stage, in order) are updated key by key (``kind = "none"``
-    removes a module; a stage with ``replace = true`` replaces the base's stage instead of
-    updating it); everything else is replaced."""
+    """Apply ``extends``: start from the base spec; ``dims``, each module's fields and each mapping
+    stage's rules (stage by stage, in order) are updated key by key (a module given another kind
+    keeps the base's fields that kind takes; ``kind = "none"`` removes a module; a stage with
+    ``replace = true`` replaces the base's stage); everything else is replaced."""
     base_name = data.get("extends")
     if base_name is None:
         return data
@@ -266,7 +269,7 @@ def _resolve(
                 names = [n for n, _ in modules]
                 if name in names:
                     i = names.index(name)
-                    modules[i] = (name, {**modules[i][1], **fields})
+                    modules[i] = (name, {**carried(modules[i][1], fields.get("kind")), **fields})
                 else:  # a new per-layer module joins the end of the layer block with its layer count
                     layered = [
                         i for i, (n, f) in enumerate(modules) if "{layer}" in n and f.get("layers") == fields.get("layers")
