@@ -89,3 +89,14 @@ def test_a_dim_that_depends_on_the_layer_is_evaluated_per_layer() -> None:
     assert [scope.with_layer(n)["width"] for n in (1, 3, 1)] == [2, 6, 2]
     assert scope.with_layer(3).with_values(tp_size=2)["width"] == 6 and scope.with_layer(5)["half"] == 4
     assert scope.with_values(extra=1).with_layer(2)["width"] == 4
+
+
+def test_membership_is_on_lists_and_a_string_on_the_right_is_refused() -> None:
+    from functional_load.errors import ConfigError
+    from functional_load.model.expressions import evaluate
+
+    scope = {"kind": "attention", "types": ["mamba", "attention"]}
+    assert evaluate("kind in ['M', 'linear_attention', 'mamba']", scope) is False
+    assert evaluate("kind in types and kind not in ('mlp', 'moe')", scope) is True
+    with pytest.raises(ConfigError, match=r"would match a substring; write a list: in \['M', 'linear_attention'\]"):
+        evaluate("kind in 'M linear_attention'", scope)

@@ -17,6 +17,8 @@ the checkpoint's values cast; Mamba's A is -exp(A_log).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from helpers import assert_same_bits
@@ -259,3 +261,20 @@ def test_dsa_index_topk_pattern_string(tiny_checkpoint) -> None:
     layout = fl.layout(path, tp_size=1, rank=0)
     assert sorted({n.split(".self_attn")[0] for n in layout.params if ".indexer." in n}) == ["model.layers.0", "model.layers.3"]
     assert len(fl.load(path, tp_size=1, rank=0)) == len(layout.params)
+
+
+def test_nemotron_h_layer_types_are_list_members_not_substrings(tiny_checkpoint) -> None:
+    """Nemotron-H names its layer types in ``hybrid_override_pattern`` (M, E, *, -) or in
+    ``layers_block_type``, whose words differ between releases ("linear_attention" or "mamba",
+    "full_attention" or "attention"): every spelling gives the same layout, and an "attention"
+    layer has no Mamba mixer (``'attention' in 'M linear_attention mamba'`` was a substring match)."""
+    model = tiny_checkpoint("nemotron_h", num_layers=4)
+    config = json.loads((model / "config.json").read_text())
+    expected = sorted(fl.layout(model, tp_size=2, rank=0).params)
+    older = {"linear_attention": "mamba", "full_attention": "attention", "moe": "moe", "mlp": "mlp"}
+    chars = {"linear_attention": "M", "full_attention": "*", "moe": "E", "mlp": "-"}
+    types = config.pop("layers_block_type")
+    for spelling in ({"layers_block_type": [older[t] for t in types]}, {"hybrid_override_pattern": "".join(chars[t] for t in types)}):
+        assert sorted(fl.layout({**config, **spelling}, tp_size=2, rank=0).params) == expected, spelling
+    attention = types.index("full_attention")
+    assert not [n for n in expected if n.startswith(f"model.layers.{attention}.mixer.in_proj")]

@@ -1,11 +1,13 @@
 """The safe expression language of the architecture specs.
 
 A tiny subset of Python over config keys and earlier dims: names, numbers, ``+ - * / // % **``,
-comparisons (``in`` too), ``and``/``or``/``not``, ``x if c else y``, attribute access into a
-nested config (``vision_config.hidden_size``), items of config lists (``layer_types[layer]``) and
-``len(x)`` of a config list (0 when missing), ``int(x)`` (a float truncated, as Python's). A missing config key is ``None``, so
-``"num_key_value_heads or num_attention_heads"`` is a fallback; a key the config lacks at the top
-level is read from its ``text_config`` (multimodal models).
+comparisons (``in`` a list: a config list or a literal ``['M', 'mamba']``; never a string, whose
+substrings would match), ``and``/``or``/``not``, ``x if c else y``, attribute access into a nested
+config (``vision_config.hidden_size``), items of config lists (``layer_types[layer]``),
+``len(x)`` of a config list (0 when missing) and ``int(x)`` (a float truncated, as Python's). A
+missing config key is ``None``, so ``"num_key_value_heads or num_attention_heads"`` is a
+fallback; a key the config lacks at the top level is read from its ``text_config`` (multimodal
+models). A dim is a named binding, evaluated per layer where it uses ``layer``.
 """
 
 from __future__ import annotations
@@ -37,9 +39,17 @@ _BINOPS = {
     ast.Mod: operator.mod,
     ast.Pow: _power,
 }
+def _member(a: Any, b: Any) -> bool:
+    """``a in b`` over a list (a config list, or a literal ``['M', 'mamba']``); a string on the right
+    would match substrings ('attention' in 'M linear_attention'), so it is refused."""
+    if isinstance(b, str):
+        raise TypeError(f"{a!r} in {b!r} would match a substring; write a list: in [{', '.join(map(repr, b.split()))}]")
+    return a in (b or ())
+
+
 _CMPOPS = {
-    ast.In: lambda a, b: a in (b or ()),
-    ast.NotIn: lambda a, b: a not in (b or ()),
+    ast.In: _member,
+    ast.NotIn: lambda a, b: not _member(a, b),
     ast.Eq: operator.eq,
     ast.NotEq: operator.ne,
     ast.Lt: operator.lt,
@@ -64,6 +74,8 @@ def evaluate(expr: str | int | float | bool, lookup: Mapping[str, Any] | Any) ->
             return node.value
         if isinstance(node, ast.Name):
             return lookup[node.id]
+        if isinstance(node, (ast.List, ast.Tuple)):  # a literal list: layer_type in ['M', 'mamba']
+            return tuple(ev(e) for e in node.elts)
         if isinstance(node, ast.Attribute):  # a key of a nested config: vision_config.hidden_size
             outer = ev(node.value)
             if outer is None:
