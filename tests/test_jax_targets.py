@@ -648,3 +648,49 @@ def test_dequantize_names_what_it_cannot(tiny_checkpoint):
     plain = tiny_checkpoint("llama", kv_heads=2)
     with pytest.raises(fl.PlanError, match="no quantization_config"):
         fl.load_jax(plain, target={"w": _sds((64, 64), jnp.float32, mesh)}, mapping=rule)
+
+
+def test_a_target_dimension_sizes_a_source_group(tiny_checkpoint):
+    """``(n h) d -> d n h`` into a ``[64, 8, 8]`` leaf: the target gives n and h, so the rule
+    needs neither (it said "(n h) has 2 axes of unknown size")."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh
+
+    import functional_load as fl
+
+    path = tiny_checkpoint("llama", kv_heads=2)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("model",))
+    rest = (fl.Drop(r"^(?!model\.layers\.0\.self_attn\.q_proj\.weight$)", "only q is a leaf here"),)
+    rule = fl.Rule("model.layers.0.self_attn.q_proj.weight", "(n h) d -> d n h")
+    got = fl.load_jax(path, target={"q": _sds((64, 8, 8), jnp.bfloat16, mesh)}, mapping=fl.TargetMap({"q": rule}, drops=rest))
+    weight = fl.load(path)["model.layers.0.self_attn.qkv_proj.weight"][:64].float().numpy()
+    assert np.array_equal(np.asarray(got["q"], np.float32), weight.reshape(8, 8, 64).transpose(2, 0, 1))
+    with pytest.raises(fl.PlanError, match=r"\(n h\) has 2 axes of unknown size"):  # a target that sizes neither
+        rule = fl.Rule("model.layers.0.self_attn.q_proj.weight", "(n h) d -> d (n h)")
+        fl.load_jax(path, target={"q": _sds((64, 64), jnp.bfloat16, mesh)}, mapping=fl.TargetMap({"q": rule}, drops=rest))
+
+
+def test_a_rule_that_matches_no_leaf_is_named(tiny_checkpoint):
+    """A mistyped rule key is an error naming the rule and the closest leaves, not ignored; a rule
+    for another form of the tree (its sources taken by the rule that matched) stays quiet."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh
+
+    import functional_load as fl
+
+    path = tiny_checkpoint("llama", kv_heads=2)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("model",))
+    target = {"norm": _sds((64,), jnp.bfloat16, mesh), "layers": [{"ln": _sds((64,), jnp.bfloat16, mesh)}]}
+    keep = r"^(?!model\.norm\.weight$|model\.layers\.0\.input_layernorm\.weight$)"
+    rules = {
+        "norm": fl.Rule("model.norm.weight", "d -> d"),
+        "layers.{layer}.ln": fl.Rule("model.layers.{layer}.input_layernorm.weight", "d -> d"),
+        "layers_{layer}.ln": fl.Rule("model.layers.{layer}.input_layernorm.weight", "d -> d"),  # the unscanned form: quiet
+        "lyers.{layer}.ln2": fl.Rule("model.layers.{layer}.post_attention_layernorm.weight", "d -> d"),  # a typo
+    }
+    with pytest.raises(fl.PlanError) as info:
+        fl.load_jax(path, target=target, mapping=fl.TargetMap(rules, drops=(fl.Drop(keep, "not in this tree"),)))
+    assert "rule 'lyers.{layer}.ln2' of <map> matches no target leaf; closest leaves: ['layers.0.ln']" in str(info.value)
+    assert "layers_{layer}.ln" not in str(info.value) and len(info.value.problems) == 1

@@ -9,6 +9,7 @@ which boxes of which checkpoint tensors to read (:meth:`LeafPlan.pieces`).
 
 from __future__ import annotations
 
+import difflib
 import itertools
 import re
 from collections.abc import Mapping, Sequence
@@ -23,7 +24,7 @@ from ..layout.axes import Arrangement, Axis, AxisRead, Range
 from ..layout.quantized import BoxDequantizer, Quantization
 from ..model.expressions import Scope, evaluate
 from ..model.mapping import ROTARY_CACHES
-from ..model.pattern import solve_sizes
+from ..model.pattern import Groups, solve_sizes
 from ..model.targetmap import Rule, TargetMap, placeholders
 from ..quant import parse_quant_config
 
@@ -151,10 +152,25 @@ def plan_target(
             continue
         plans.append(plan)
         used.update({info.name: info for info in (*plan.sources.values(), *plan.scales.values())})
+    problems += _unmatched_rules(compiled, leaves, sources, set(used), target_map.name)
     dropped = _unused(checkpoint, {**{n: checkpoint.tensors[n] for n in claimed}, **used}, target_map, config, problems)
     if problems:
         raise PlanError(problems)
     return TargetPlan(str(checkpoint.directory), tuple(plans), used, tuple(dropped), checkpoint.checksums)
+
+
+def _unmatched_rules(
+    compiled: Sequence[tuple[str, re.Pattern[str], Rule]], leaves: Sequence[Leaf], sources: _Sources, used: set[str], name: str
+) -> list[str]:
+    """Rules that match no leaf and whose sources no other rule takes (a mistyped key): one
+    serving another form of the tree (MaxText's scanned and unscanned layers) takes the same sources."""
+    problems = []
+    for key, regex, rule in compiled:
+        if any(regex.match(leaf.key) for leaf in leaves) or _claimed(rule, {}, sources) & used:
+            continue
+        close = difflib.get_close_matches(key, [leaf.key for leaf in leaves], n=3, cutoff=0.4)
+        problems.append(f"rule {key!r} of {name} matches no target leaf" + (f"; closest leaves: {close}" if close else ""))
+    return problems
 
 
 def _claimed(rule: Rule, bound: Mapping[str, str], sources: _Sources) -> set[str]:
@@ -208,6 +224,7 @@ def _leaf_plan(
     shape = shapes.pop()
     given = {a: _int(v, scope, f"{rule.where} {a}") for a, v in rule.sizes.items()}
     sizes = {**counts, **given}
+    sizes.update(_from_target(rule, pattern.left[len(stacked):], sizes, leaf))
     sizes.update(solve_sizes(pattern.left[len(stacked):], shape, sizes, f"{rule.where} on {infos[0].name} {list(shape)}"))
     axes = _axes(rule, pattern.left_axes, sizes, leaf, scope)
     index = {a.name: i for i, a in enumerate(axes)}
@@ -224,6 +241,20 @@ def _leaf_plan(
     _check_sharding(leaf)
     scale = None if rule.scale is None else float(_number(rule.scale, scope, f"{rule.where} scale"))
     return LeafPlan(leaf, key, arrangement, MappingProxyType(by_index), scale)
+
+
+def _from_target(rule: Rule, left: Groups, sizes: Mapping[str, int], leaf: Leaf) -> dict[str, int]:
+    """Sizes the target's shape gives for axes of a source group that has more than one unknown
+    axis (``(n h) d -> d n h`` into ``[64, 8, 8]``: n = h = 8): an axis alone in a target
+    dimension that no take, repeat or pad resizes."""
+    resized = set(rule.take) | set(rule.repeat) | set(rule.pad)
+    alone = {g[0]: leaf.shape[i] for i, g in enumerate(rule.pattern.right) if len(g) == 1 and g[0] not in resized}
+    out: dict[str, int] = {}
+    for group in left:
+        unknown = [a for a in group if a not in sizes]
+        if len(unknown) > 1:
+            out.update({a: alone[a] for a in unknown if a in alone})
+    return out
 
 
 def _dequantized(plan: LeafPlan, quant: Quantization | None, quant_problem: str, checkpoint: Checkpoint) -> LeafPlan:
