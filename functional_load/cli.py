@@ -53,7 +53,7 @@ def _inspect(args: argparse.Namespace) -> None:
     if manifest is not None:  # a pre-sharded save: its layout, its rank files, the original tensors it holds
         checkpoint = sharded_checkpoint(directory, manifest, 0)
         print(f"{directory}: a pre-sharded save (functional_load.save_sharded) of {spec.name}, dtype {manifest['dtype']}, "
-              f"saved at {manifest['parallel']}")
+              f"saved at {_layout_words(manifest['parallel'])}")
         for name, entry in manifest["files"].items():
             print(f"  rank {entry['rank']}: {name} ({entry['size']:,} bytes)")
         print(f"original tensors ({len(checkpoint.tensors)}, {checkpoint.total_bytes:,} bytes), held in the rank files:")
@@ -64,7 +64,15 @@ def _inspect(args: argparse.Namespace) -> None:
               f"dtype {dtype}, format {checkpoint.load_format}")
         print(f"{len(checkpoint.files)} files, {len(checkpoint.tensors)} tensors, {checkpoint.total_bytes:,} bytes")
     for info in checkpoint.tensors.values():
-        print(f"  {info.name:60s} {info.dtype:8s} {list(info.shape)!s:16s} {info.file.name}")
+        print(f"  {info.name:60s} {info.dtype:8s} {list(info.shape)!s:16s} {info.where()}")
+
+
+def _layout_words(parallel: dict[str, object]) -> str:
+    """A save's layout as words: ``tp 2``, and its expert parallelism when it has any."""
+    words = f"tp {parallel.get('tp_size')}"
+    if parallel.get("expert_parallel"):
+        words += f", expert parallel ({parallel.get('expert_placement')} placement, {parallel.get('num_redundant_experts')} redundant)"
+    return words
 
 
 def _plan(args: argparse.Namespace) -> None:

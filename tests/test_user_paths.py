@@ -11,6 +11,7 @@ import gc
 import importlib.metadata
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -88,6 +89,16 @@ def test_inspect_describes_a_save(saved, capsys):
     out = capsys.readouterr().out
     assert "pre-sharded save" in out and "rank 1:" in out and "duplicate" not in out
     assert "model.layers.0.self_attn.q_proj.weight" in out  # the original tensors it holds
+    assert "saved at tp 2" in out and "{" not in out.splitlines()[0]  # words, not a Python dict
+    assert "functional_load.sharded.json" not in out  # each tensor names the rank files holding it
+    assert re.search(r"model\.embed_tokens\.weight .* model-rank-0-of-2-\w+\.safetensors, model-rank-1-of-2", out)
+
+
+def test_plan_of_a_save_names_the_rank_file_each_copy_reads(saved, capsys):
+    assert cli_main(["plan", str(saved), "--tp", "4", "--rank", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "functional_load.sharded.json" not in out
+    assert re.search(r"model\.embed_tokens\.weight \(model-rank-0-of-2-\w+\.safetensors\)\s+\[256:512", out), out
 
 
 def test_plan_reads_no_tensor_bytes_even_to_verify_hashes(saved, monkeypatch):

@@ -137,6 +137,15 @@ class TensorInfo:
         location = self.location
         return location.manifest if isinstance(location, SavedBoxes) else location.file
 
+    def where(self, box: Box | None = None) -> str:
+        """The file names that hold the tensor, or its ``box``: a pre-sharded save's rank files
+        holding pieces of it (not its manifest)."""
+        location = self.location
+        if not isinstance(location, SavedBoxes):
+            return location.file.name
+        pieces = [p for p in location.pieces if box is None or all(a < d and c < b for (a, b), (c, d) in zip(p.src, box))]
+        return ", ".join(sorted({p.file.name for p in pieces})) or location.manifest.name
+
 
 _gc_lock = threading.Lock()
 _gc_pauses = [0, False]  # callers inside paused_gc(); whether the collector was enabled before the first

@@ -156,7 +156,7 @@ class Plan:
                     "copies": [
                         {
                             "tensor": c.tensor,
-                            "file": self.tensors[c.tensor].file.name,
+                            "file": self.tensors[c.tensor].where(c.src),
                             "src": box(c.src),
                             "dst": box(c.dst),
                             "transpose": c.transpose,
@@ -188,7 +188,7 @@ class Plan:
                     (
                         p.spec.name if i == 0 else "",
                         _shape(p.spec.local_shape) if i == 0 else "",
-                        f"{c.tensor} ({self.tensors[c.tensor].file.name})",
+                        f"{c.tensor} ({self.tensors[c.tensor].where(c.src)})",
                         f"{_slices(c.src)}{'ᵀ' if c.transpose else ''}{_times(c.repeat)} -> {_slices(c.dst)}",
                         f"{self.copy_bytes(c):,}",
                     )
