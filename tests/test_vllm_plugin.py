@@ -19,7 +19,7 @@ import torch
 
 import functional_load as fl
 from functional_load.errors import ConfigError, PlanError
-from functional_load.integrations.vllm import MoePlacement, VllmLoadOptions, check_supported, fill_model, live_tensors, match_model
+from functional_load.integrations.vllm import ExtraConfig, MoePlacement, check_supported, fill_model, live_tensors, match_model
 from functional_load.layout.parallel import Parallel
 from functional_load.testing import plugin_record, records
 from functional_load.testing.checkpoints import write_checkpoint
@@ -42,10 +42,14 @@ def _params(plan: fl.Plan) -> dict[str, torch.Tensor]:
 
 
 def test_extra_config_options() -> None:
-    options = VllmLoadOptions.from_extra_config({"threads": 2, "read": {"strategy": "pread"}, "verify_hashes": True, "progress": False})
-    assert options.read == fl.ReadOptions(strategy="pread", threads=2, verify_hashes=True)
-    assert options.progress is False
-    assert VllmLoadOptions.from_extra_config({}) == VllmLoadOptions() == VllmLoadOptions.from_extra_config(None)
+    """The extra config holds the library's one LoadOptions value (and where reports go)."""
+    extra = ExtraConfig.parse({"threads": 2, "read": {"strategy": "pread"}, "verify_hashes": True, "progress": False,
+                               "spec": "llama", "report_dir": "/tmp/r"})
+    read = fl.ReadOptions(strategy="pread", threads=2, verify_hashes=True)
+    assert extra.options == fl.LoadOptions(read=read, progress=False, spec="llama")
+    assert extra.report_dir == "/tmp/r" and extra.expert_placement is None
+    assert ExtraConfig.parse({}) == ExtraConfig() == ExtraConfig.parse(None)
+    assert ExtraConfig.parse({"expert_placement": "round_robin"}).expert_placement == "round_robin"
 
 
 @pytest.mark.parametrize(
@@ -55,11 +59,12 @@ def test_extra_config_options() -> None:
         ({"read": {"stratgy": "x"}}, ["ReadOptions", "'stratgy'"]),
         ({"threads": 0}, ["threads must be a positive integer"]),
         ("threads=2", ["must be a dict"]),
+        ({"dtype": "float32", "text_only": True}, ["['dtype', 'text_only']", "are set by vLLM's --dtype"]),
     ],
 )
 def test_bad_extra_config_is_refused(extra: Any, words: list[str]) -> None:
     with pytest.raises(ConfigError) as info:
-        VllmLoadOptions.from_extra_config(extra)
+        ExtraConfig.parse(extra)
     for word in words:
         assert word in str(info.value)
 
@@ -84,7 +89,7 @@ def test_fill_model_fills_every_parameter_in_place(tiny: Path, tp_rank: tuple[in
     params = _params(plan)
     params["model.layers.0.self_attn.alias.weight"] = params["model.layers.0.self_attn.o_proj.weight"]  # vLLM's extra names
     before = {n: t.data_ptr() for n, t in params.items()}
-    stats = fill_model(plan, params, VllmLoadOptions())
+    stats = fill_model(plan, params, fl.LoadOptions())
     expected = fl.load(tiny, tp_size=tp, rank=rank, dtype="float32")
     assert set(params) - set(expected) == {"model.layers.0.self_attn.alias.weight"}
     for name, tensor in params.items():
@@ -113,7 +118,7 @@ def test_buffers_the_checkpoint_fills_are_filled_too(tmp_path: Path) -> None:
 
     live = live_tensors(Model(), plan)
     assert set(live) == set(params) | set(buffers)
-    fill_model(plan, live, VllmLoadOptions())
+    fill_model(plan, live, fl.LoadOptions())
     expected = fl.load(model_dir, tp_size=2, rank=1, dtype="float32")
     for name, tensor in buffers.items():
         assert torch.equal(tensor, expected[name]) and not torch.equal(tensor, torch.full_like(tensor, 1.0)), name
@@ -124,7 +129,7 @@ def test_non_contiguous_parameters_are_filled_from_a_copy(tiny: Path) -> None:
     params = _params(plan)
     name = "model.layers.0.self_attn.o_proj.weight"
     params[name] = torch.empty(tuple(reversed(params[name].shape))).t()  # same shape, not contiguous
-    fill_model(plan, params, VllmLoadOptions())
+    fill_model(plan, params, fl.LoadOptions())
     assert torch.equal(params[name], fl.load(tiny, tp_size=2, rank=0, dtype="float32")[name])
 
 
@@ -137,7 +142,7 @@ def test_every_mismatch_is_listed(tiny: Path) -> None:
     params["model.layers.1.self_attn.qkv_proj.weight"] = torch.empty(7, 256)
     params["model.layers.1.mlp.down_proj.weight"] = params["model.layers.1.mlp.down_proj.weight"].to(torch.bfloat16)
     with pytest.raises(PlanError) as info:
-        fill_model(plan, params, VllmLoadOptions())
+        fill_model(plan, params, fl.LoadOptions())
     text = str(info.value)
     assert "model.norm.weight: planned float32 [256], but vLLM's model has no such parameter" in text
     assert "model.layers.0.mlp.extra.weight: vLLM's model has float32 [3, 4], the plan fills nothing" in text

@@ -17,8 +17,8 @@ processes import it.
 from __future__ import annotations
 
 from .vllm_model import LOAD_FORMAT as LOAD_FORMAT
+from .vllm_model import ExtraConfig as ExtraConfig
 from .vllm_model import MoePlacement as MoePlacement
-from .vllm_model import VllmLoadOptions as VllmLoadOptions
 from .vllm_model import check_supported as check_supported
 from .vllm_model import fill_model as fill_model
 from .vllm_model import live_tensors as live_tensors

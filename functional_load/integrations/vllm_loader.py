@@ -15,9 +15,8 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from ..api import plan, resolve_model_dir
 from ..checkpoint.discover import checkpoint_format
 from ..errors import ConfigError
-from ..layout.parallel import Parallel
 from ..model.config import read_config
-from .vllm_model import LOAD_FORMAT, MoePlacement, VllmLoadOptions, check_supported, fill_model, live_tensors, write_report
+from .vllm_model import LOAD_FORMAT, ExtraConfig, MoePlacement, check_supported, fill_model, live_tensors, write_report
 
 logger = logging.getLogger("vllm.functional_load")  # under vLLM's logger: its handlers print it
 
@@ -27,11 +26,11 @@ class FunctionalLoadLoader(BaseModelLoader):
 
     def __init__(self, load_config: LoadConfig) -> None:
         super().__init__(load_config)
-        self.options = VllmLoadOptions.from_extra_config(load_config.model_loader_extra_config)
+        self.extra = ExtraConfig.parse(load_config.model_loader_extra_config)
         self._vllm_config: VllmConfig | None = None
 
     def download_model(self, model_config: ModelConfig) -> None:
-        resolve_model_dir(model_config.model, model_config.revision, self.options.load_format)
+        resolve_model_dir(model_config.model, model_config.revision, self.extra.options.load_format, self.extra.options.allow_pickle)
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
         self._vllm_config = vllm_config  # the parallel settings the plan needs
@@ -46,30 +45,28 @@ class FunctionalLoadLoader(BaseModelLoader):
         if config is None:
             raise RuntimeError(f"load_format={LOAD_FORMAT!r} needs vLLM's config; call it through vLLM's load_model")
         par = config.parallel_config
-        placement = self.options.expert_placement or par.expert_placement_strategy
+        placement = self.extra.expert_placement or par.expert_placement_strategy
         if placement != par.expert_placement_strategy:
             raise ConfigError(
                 f"model_loader_extra_config expert_placement={placement!r}, but vLLM places experts "
                 f"{par.expert_placement_strategy!r}; set vLLM's --expert-placement-strategy instead"
             )
-        parallel = Parallel(
-            get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank(), bool(par.enable_expert_parallel),
-            placement, int(getattr(par.eplb_config, "num_redundant_experts", 0) or 0) if par.enable_expert_parallel else 0,
+        ep = bool(par.enable_expert_parallel)
+        options = self.extra.options.replace(  # the one options value, with what vLLM decided
+            dtype=model_config.dtype, expert_parallel=ep, expert_placement=placement,
+            num_redundant_experts=int(getattr(par.eplb_config, "num_redundant_experts", 0) or 0) if ep else 0,
         )
-        directory = resolve_model_dir(model_config.model, model_config.revision, self.options.load_format)
-        declared = read_config(directory, checkpoint_format(directory, self.options.load_format)).get("quantization_config")
+        parallel = options.parallel(get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank())
+        directory = resolve_model_dir(model_config.model, model_config.revision, options.load_format, options.allow_pickle)
+        declared = read_config(directory, checkpoint_format(directory, options.load_format)).get("quantization_config")
         online = model_config.quantization if model_config.quantization and not declared else None
         check_supported(parallel, par.pipeline_parallel_size, par.data_parallel_size, online)
-        the_plan = plan(
-            directory, tp_size=parallel.tp_size, rank=parallel.rank, dtype=model_config.dtype,
-            expert_parallel=parallel.expert_parallel, expert_placement=parallel.expert_placement,
-            num_redundant_experts=parallel.num_redundant_experts, load_format=self.options.load_format,
-        )
+        the_plan = plan(directory, tp_size=parallel.tp_size, rank=parallel.rank, options=options)
         planned = time.perf_counter()
         params = live_tensors(model, the_plan)
-        stats = dataclasses.replace(fill_model(the_plan, params, self.options, _placements(model)), plan_seconds=planned - start)
+        stats = dataclasses.replace(fill_model(the_plan, params, options, _placements(model)), plan_seconds=planned - start)
         seconds = time.perf_counter() - start
-        write_report(self.options, the_plan, stats, seconds)
+        write_report(self.extra.report_dir, the_plan, stats, seconds)
         logger.info("functional_load: rank %d of %d loaded in %.2f s: %s", parallel.rank, parallel.tp_size, seconds, stats.summary())
 
 

@@ -15,55 +15,60 @@ from ..errors import ConfigError, PlanError
 from ..io.execute import LoadStats, execute
 from ..io.options import ReadOptions
 from ..layout.parallel import Parallel
+from ..options import LoadOptions
 from ..plan.plan import Plan
 
 LOAD_FORMAT = "functional_load"
 _READ_KEYS = tuple(f.name for f in dataclasses.fields(ReadOptions))
 
 
+# What vLLM decides itself, so the extra config may not say it: the field and where vLLM sets it
+_VLLM_DECIDES = {
+    "dtype": "vLLM's --dtype", "quantization": "vLLM's --quantization", "expert_parallel": "vLLM's --enable-expert-parallel",
+    "num_redundant_experts": "vLLM's EPLB config", "text_only": "vLLM, which builds the whole model",
+}
+
+
 @dataclass(frozen=True)
-class VllmLoadOptions:
-    """What ``model_loader_extra_config`` may say to the ``functional_load`` load format.
+class ExtraConfig:
+    """What ``model_loader_extra_config`` says to the ``functional_load`` load format: the
+    library's one :class:`~functional_load.LoadOptions` (``read``, whose fields may also be given
+    at the top level, ``{"threads": 8, "verify_hashes": true}``; ``load_format``; ``progress``;
+    ``spec``; ``allow_pickle``; ``expert_placement``, which must equal vLLM's own
+    ``expert_placement_strategy``: the experts a rank holds are vLLM's decision), and
+    ``report_dir``, where each worker writes ``rank<r>.json`` (bytes read and planned, time)."""
 
-    * ``read``: :class:`~functional_load.ReadOptions` (its fields may also be given at the top
-      level: ``{"threads": 8, "verify_hashes": true}``);
-    * ``expert_placement``: must equal vLLM's own ``expert_placement_strategy`` (the experts a
-      rank holds are vLLM's decision; a different value is refused, not silently followed);
-    * ``load_format``: the checkpoint format for functional_load (``"auto"``, ``"hf"``,
-      ``"mistral"``);
-    * ``progress``: a progress bar per worker (``None``: only for long loads);
-    * ``report_dir``: each worker writes ``rank<r>.json`` there (bytes read and planned, time),
-      to check that every worker read its own share.
-    """
-
-    read: ReadOptions = ReadOptions()
-    expert_placement: str | None = None
-    load_format: str = "auto"
-    progress: bool | None = None
+    options: LoadOptions = LoadOptions()
+    expert_placement: str | None = None  # as given (None: vLLM's)
     report_dir: str | None = None
 
     @classmethod
-    def from_extra_config(cls, extra: Any) -> VllmLoadOptions:
+    def parse(cls, extra: Any) -> ExtraConfig:
         """Parse vLLM's ``model_loader_extra_config`` (a dict; unknown keys are refused)."""
         if extra is None:
             return cls()
         if not isinstance(extra, Mapping):
             raise ConfigError(f"model_loader_extra_config for load_format={LOAD_FORMAT!r} must be a dict, got {type(extra).__name__}")
-        own = {f.name for f in dataclasses.fields(cls)} - {"read"}
-        unknown = sorted(set(extra) - own - set(_READ_KEYS) - {"read"})
+        decided = sorted(set(extra) & set(_VLLM_DECIDES))
+        if decided:
+            raise ConfigError(f"model_loader_extra_config: {decided} for load_format={LOAD_FORMAT!r} are set by "
+                              + ", ".join(_VLLM_DECIDES[k] for k in decided))
+        own = {f.name for f in dataclasses.fields(LoadOptions)} - {"read"} - set(_VLLM_DECIDES)
+        unknown = sorted(set(extra) - own - set(_READ_KEYS) - {"read", "report_dir"})
         if unknown:
             raise ConfigError(
                 f"model_loader_extra_config: unknown key(s) {unknown} for load_format={LOAD_FORMAT!r}; "
-                f"use {sorted(own | {'read'})} or ReadOptions fields {list(_READ_KEYS)}"
+                f"use {sorted(own | {'read', 'report_dir'})} or ReadOptions fields {list(_READ_KEYS)}"
             )
-        read = dict(extra.get("read") or {})
-        if not isinstance(read, dict):
+        read = extra.get("read") or {}
+        if not isinstance(read, Mapping):
             raise ConfigError(f"model_loader_extra_config['read'] must be a dict of ReadOptions fields, got {read!r}")
-        read.update({k: extra[k] for k in _READ_KEYS if k in extra})
+        read = {**read, **{k: extra[k] for k in _READ_KEYS if k in extra}}
         bad = sorted(set(read) - set(_READ_KEYS))
         if bad:
             raise ConfigError(f"model_loader_extra_config['read']: unknown ReadOptions field(s) {bad}; use {list(_READ_KEYS)}")
-        return cls(ReadOptions(**read), **{k: extra[k] for k in own if k in extra})
+        options = LoadOptions().replace(read=ReadOptions(**read), **{k: extra[k] for k in own - {"expert_placement"} if k in extra})
+        return cls(options, extra.get("expert_placement"), extra.get("report_dir"))
 
 
 @dataclass(frozen=True)
@@ -152,7 +157,7 @@ def live_tensors(model: Any, plan: Plan) -> dict[str, Any]:
     return params
 
 
-def fill_model(plan: Plan, params: Mapping[str, Any], options: VllmLoadOptions, experts: Mapping[str, MoePlacement] = {}) -> LoadStats:
+def fill_model(plan: Plan, params: Mapping[str, Any], options: LoadOptions, experts: Mapping[str, MoePlacement] = {}) -> LoadStats:
     """Read the plan's bytes into the live parameters ``params`` (checked by :func:`match_model`):
     CPU parameters are filled in place, others from a CPU copy, one parameter at a time."""
     import torch
@@ -170,12 +175,12 @@ def fill_model(plan: Plan, params: Mapping[str, Any], options: VllmLoadOptions, 
     return stats
 
 
-def write_report(options: VllmLoadOptions, plan: Plan, stats: LoadStats, seconds: float) -> None:
-    """``rank<r>.json`` in ``options.report_dir``: what this worker planned and read (``tensor_bytes``:
+def write_report(report_dir: str | None, plan: Plan, stats: LoadStats, seconds: float) -> None:
+    """``rank<r>.json`` in ``report_dir``: what this worker planned and read (``tensor_bytes``:
     the whole sizes of the checkpoint tensors it reads slices of)."""
-    if not options.report_dir:
+    if not report_dir:
         return
-    out = Path(options.report_dir)
+    out = Path(report_dir)
     out.mkdir(parents=True, exist_ok=True)
     report = {
         "rank": plan.parallel.rank, "tp_size": plan.parallel.tp_size, "expert_parallel": plan.parallel.expert_parallel,
