@@ -126,7 +126,8 @@ def _bench(args: argparse.Namespace) -> None:
     if not script.is_file():
         raise SystemExit(f"functional-load bench needs a source checkout: {script} not found")
     spec = importlib.util.spec_from_file_location("functional_load_bench_load", script)
-    assert spec is not None and spec.loader is not None
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"functional-load bench: cannot import {script}")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     argv = [args.model_dir] if args.model_dir else []

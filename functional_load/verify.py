@@ -73,7 +73,8 @@ def reference_tensor(info: TensorInfo) -> Any:
             return f.get_tensor(info.name)
     if isinstance(location, PickleEntry):
         return safe_torch_load(location.file)[info.name]
-    assert isinstance(location, SavedBoxes)
+    if not isinstance(location, SavedBoxes):
+        raise TypeError(f"{info.name}: no reference reader for a {type(location).__name__}")
     dtype = reference_tensor(location.pieces[0].stored).dtype if location.pieces else torch.float32
     whole = torch.empty(info.shape, dtype=dtype)
     for piece in location.pieces:

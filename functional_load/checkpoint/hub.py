@@ -92,11 +92,11 @@ def resolve_model(
                 f"(neither a repo id org/name nor a cache folder models--org--name); drop revision, or pass the repo id"
             )
         return model
-    assert isinstance(model, str)
+    repo_id = str(model)  # a repo id is a string (is_repo_id)
     try:
-        return _snapshot(model, revision, cache_dir(), offline(), None, load_format, allow_pickle, weights)
+        return _snapshot(repo_id, revision, cache_dir(), offline(), None, load_format, allow_pickle, weights)
     except MissingFileError as exc:
-        better = _mistyped_path(model, exc)
+        better = _mistyped_path(repo_id, exc)
         if better is None:
             raise
         raise better from exc

@@ -96,12 +96,18 @@ def _fast_entry(path: Path, name: str, entry: Any, data_start: int, file_size: i
 
 
 def _offset_and_name(info: TensorInfo) -> tuple[int, str]:
-    return info.location.offset, info.name  # type: ignore[union-attr]
+    return span_offset(info), info.name
 
 
 def span_offset(info: TensorInfo) -> int:
-    assert isinstance(info.location, FileSpan)
-    return info.location.offset
+    return _span(info).offset
+
+
+def _span(info: TensorInfo) -> FileSpan:
+    """A safetensors tensor's byte range (every tensor a header indexes has one)."""
+    if not isinstance(info.location, FileSpan):
+        raise TypeError(f"{info.name} is no range of a safetensors file: {info.location!r}")
+    return info.location
 
 
 def _raw_header(path: Path) -> tuple[bytes, str, int, FileStamp]:
@@ -148,8 +154,7 @@ def _validated(path: Path, raw: bytes, text: str, data_start: int, stamp: FileSt
     previous: FileSpan | None = None
     previous_name = ""
     for info in infos:
-        span = info.location
-        assert isinstance(span, FileSpan)
+        span = _span(info)
         if span.nbytes == 0:  # an empty range overlaps nothing
             continue
         if previous is not None and span.offset < previous.offset + previous.nbytes:
@@ -263,11 +268,11 @@ def _contiguous(infos: list[TensorInfo], data_start: int, file_size: int) -> boo
     """Whether the sorted spans tile ``[data_start, file_size)`` exactly (the usual case)."""
     at = data_start
     for info in infos:
-        span = info.location
-        if span.nbytes:  # type: ignore[union-attr]
-            if span.offset != at:  # type: ignore[union-attr]
+        span = _span(info)
+        if span.nbytes:
+            if span.offset != at:
                 return False
-            at += span.nbytes  # type: ignore[union-attr]
+            at += span.nbytes
     return at == file_size
 
 

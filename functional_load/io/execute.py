@@ -93,6 +93,12 @@ def show_progress(progress: bool | None, bytes_to_read: int) -> bool:
     return progress if progress is not None else bytes_to_read >= LONG_LOAD_BYTES
 
 
+def _consumer(consume: Consume | None) -> Consume:
+    if consume is None:
+        raise ValueError("parameters marked consumed need a consume function")
+    return consume
+
+
 def execute(
     plan: Plan,
     options: ReadOptions | None = None,
@@ -154,10 +160,9 @@ def execute(
             verify_shared(plan, param, out[param.spec.name], reader)
         read_seconds = time.perf_counter() - start
         transform_start = time.perf_counter()
-        for param in later:  # one dense weight at a time
-            assert consume is not None
+        for param in later:  # one dense weight at a time (``later`` is empty without ``consume``)
             dense = load_param(plan, param, reader, dtype=plan.dtype)
-            out.update(consume(param, dense))
+            out.update(_consumer(consume)(param, dense))
             del dense
         transform_seconds = time.perf_counter() - transform_start
         verify_unchanged(plan)

@@ -12,18 +12,19 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from ..plan.plan import Plan
 from .options import ReadOptions
 from .reader import file_spans
 
 _GAP = 1 << 20  # ranges closer than this are read as one
 
 
-def planned_ranges(plan: object) -> dict[Path, list[tuple[int, int]]]:
+def planned_ranges(plan: Plan) -> dict[Path, list[tuple[int, int]]]:
     """Per file, the merged ``(start, stop)`` byte ranges the plan reads."""
     spans: dict[Path, list[tuple[int, int]]] = {}
-    for param in plan.params:  # type: ignore[attr-defined]
+    for param in plan.params:
         for copy in param.copies + param.checks:
-            for path, start, stop in file_spans(plan.tensors[copy.tensor], copy.src):  # type: ignore[attr-defined]
+            for path, start, stop in file_spans(plan.tensors[copy.tensor], copy.src):
                 spans.setdefault(path, []).append((start, stop))
     merged: dict[Path, list[tuple[int, int]]] = {}
     for path, ranges in spans.items():
@@ -41,7 +42,7 @@ class Prefetcher:
     """Starts reading at construction; :meth:`stop` cancels what has not started and returns
     the bytes prefetched. Failures are ignored: the main reads will report real problems."""
 
-    def __init__(self, plan: object, options: ReadOptions):
+    def __init__(self, plan: Plan, options: ReadOptions):
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self.bytes = 0

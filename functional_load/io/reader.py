@@ -77,9 +77,11 @@ class Reader:
 
     def read_run(self, run: Run) -> None:
         """Fill a run's destinations (file spans only; see :attr:`sequential`)."""
-        assert isinstance(self.files, PreadReader)
+        files = self.files
+        if not isinstance(files, PreadReader):
+            raise TypeError(f"sequential runs are read with pread, not {type(files).__name__} (see Reader.sequential)")
         self._verify(run.info.file)
-        self.files.read_run(run)
+        files.read_run(run)
 
     def read_view(self, info: TensorInfo, view: tuple[tuple[int, ...], ...], box: Box, out: memoryview) -> None:
         """Fill ``out`` with ``box`` of ``info`` seen with each dimension split into axes (``view``:

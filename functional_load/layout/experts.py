@@ -75,7 +75,9 @@ def expert_params(module: ModuleSpec, scope: Scope, dtype: str, scheme: Scheme |
 
 
 def _padded(split: Sharding, pad: int) -> Sharding:
-    assert isinstance(split, Split)
+    """A plain expert's split with each rank's rows padded to at least ``pad``."""
+    if not isinstance(split, Split):
+        raise ConfigError(f"padded expert rows (pad = {pad}) need a split parameter, not {split!r}")
     return replace(split, segments=tuple(replace(s, pad=pad) for s in split.segments))
 
 

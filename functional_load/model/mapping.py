@@ -79,7 +79,8 @@ class Rule:
     def expert_id(self, name: str) -> int:
         """The expert number an expert rule matched in ``name``."""
         match = self._expert_regex().search(name)
-        assert match is not None
+        if match is None:
+            raise ValueError(f"expert rule {self.pattern!r} does not match {name!r}")
         return int(match.group(1))
 
     def matches(self, name: str) -> bool:
@@ -98,7 +99,8 @@ class Rule:
     def apply(self, name: str) -> str:
         """The renamed ``name`` (the rule must match and must not drop)."""
         new = self.replacement
-        assert new is not None
+        if new is None:
+            raise ValueError(f"{self.kind} rule {self.pattern!r} drops {name!r}; it renames nothing")
         if self.kind == "rename":
             return new
         if self.kind == "regex":

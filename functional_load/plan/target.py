@@ -387,15 +387,11 @@ def _unused(
 
 
 def _near(key: str, keys: list[str]) -> str:
-    import difflib
-
     close = difflib.get_close_matches(key, keys, n=3, cutoff=0.4)
     return f"closest rules: {close}" if close else f"its rules: {keys[:6]}"
 
 
 def _near_tensor(name: str, checkpoint: Checkpoint) -> str:
-    import difflib
-
     flat = re.sub(r"\{[^}]*\}", "0", name)
     close = difflib.get_close_matches(flat, list(checkpoint.tensors), n=3, cutoff=0.6)
     return f" in {checkpoint.directory}; closest: {close}" if close else f" in {checkpoint.directory}"

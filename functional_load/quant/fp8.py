@@ -24,7 +24,7 @@ from ..layout.experts import from_linears
 from ..layout.parallel import Parallel
 from ..layout.quantized import FP8_DTYPES, Experts, Get, Linear, ParamDef
 from ..layout.scales import Blocked, ExpertBlocks, Slots
-from ..layout.sharding import Replicated, Sharding
+from ..layout.sharding import Replicated, Sharding, Split
 from .base import BaseScheme
 from .config import QuantConfig, ignore_list, int_field
 from .fp8_targets import experts_to_target, linear_to_target, quantize_dense
@@ -60,6 +60,13 @@ class Fp8Scheme(BaseScheme):
             raise ConfigError(f"unknown block rule {self.block_rule!r}")
 
     @property
+    def block_size(self) -> tuple[int, int]:
+        """The ``(rows, columns)`` of a scale block (block strategy only)."""
+        if self.block is None:
+            raise ValueError(f"{self.format} weights with a {self.strategy!r} scale have no block size")
+        return self.block
+
+    @property
     def format(self) -> str:
         return "fp8"
 
@@ -88,12 +95,12 @@ class Fp8Scheme(BaseScheme):
         elif self.strategy == "channel":
             shape, sharding = (out, 1), linear.out_split(0)
         else:
-            bn, bk = self.block  # type: ignore[misc]
+            bn, bk = self.block_size
             shape = (-(-out // bn), -(-inp // bk))
             if linear.column:
-                sharding = Blocked(linear.out_split(0), bn, self.block_rule)  # type: ignore[arg-type]
+                sharding = Blocked(_split(linear.out_split(0)), bn, self.block_rule)
             elif linear.row:
-                sharding = Blocked(linear.in_split(1, inp, "input columns"), bk, self.block_rule)  # type: ignore[arg-type]
+                sharding = Blocked(_split(linear.in_split(1, inp, "input columns")), bk, self.block_rule)
             else:
                 sharding = Replicated()
         return ParamDef(self.scale_name, shape, sharding, self.scale_dtype, check="positive", role="scale")
@@ -101,8 +108,7 @@ class Fp8Scheme(BaseScheme):
     def expert_params(self, experts: Experts, model_dtype: str) -> list[ParamDef]:
         def fix(p: ParamDef, linear: Linear, down: bool) -> ParamDef:
             if p.role == "scale" and self.strategy == "block":
-                assert self.block is not None
-                blocks = ExpertBlocks(experts.intermediate, experts.hidden, self.block, down=down, refine=self.block_rule == "fp8")
+                blocks = ExpertBlocks(experts.intermediate, experts.hidden, self.block_size, down=down, refine=self.block_rule == "fp8")
                 return p._replace(sharding=blocks)
             return p
 
@@ -125,7 +131,7 @@ class Fp8Scheme(BaseScheme):
             for k, (_, (start, stop)) in enumerate(pieces):
                 per_row[start:stop] = scale.reshape(-1)[k]
             return weight * per_row[:, None]
-        bn, bk = self.block  # type: ignore[misc]  # block: each segment's scale blocks over its rows
+        bn, bk = self.block_size  # block: each segment's scale blocks over its rows
         rows, cols = weight.shape
         weight_rows = dict(pieces)
         scale_rows = torch.empty(rows, scale.shape[1])
@@ -139,9 +145,8 @@ class Fp8Scheme(BaseScheme):
         if self.strategy == "channel":
             return weight * scale
         if self.strategy == "block":
-            assert self.block is not None
             experts, hidden = specs["w13_weight"].shape[1] // 2, specs["w13_weight"].shape[2]
-            grid = ExpertBlocks(experts, hidden, self.block, refine=self.block_rule == "fp8").grid(parallel.expert_tp)
+            grid = ExpertBlocks(experts, hidden, self.block_size, refine=self.block_rule == "fp8").grid(parallel.expert_tp)
             return weight * _expand_blocks(scale, weight.shape, grid, halves=stem == "w13")
         if stem == "w13" and scale.dim() == 2:  # a scale per expert and shard: w1's rows, then w3's
             per_row = scale.repeat_interleave(weight.shape[1] // 2, dim=1)
@@ -175,13 +180,18 @@ class Fp8Boxes:
     def scale_names(self) -> tuple[str, ...]:
         return (self.scale,)
 
+    def _block(self) -> tuple[int, int]:
+        if self.block is None:
+            raise ValueError(f"a {self.strategy!r} scale has no block size")
+        return self.block
+
     def scale_box(self, name: str, box: tuple[tuple[int, int], ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
         if self.strategy == "tensor":
             return tuple((0, n) for n in shape)
         (r0, r1), (c0, c1) = box
         if self.strategy == "channel":
             return ((r0, r1), (0, shape[1]))
-        bn, bk = self.block  # type: ignore[misc]
+        bn, bk = self._block()
         return ((r0 // bn, -(-r1 // bn)), (c0 // bk, -(-c1 // bk)))
 
     def apply(self, weight: Any, scales: Mapping[str, Any], box: tuple[tuple[int, int], ...]) -> Any:
@@ -198,7 +208,7 @@ class Fp8Boxes:
             grid, offset = (1, weight.shape[1]), (0, 0)
             scale = scale.reshape(-1, 1)
         else:
-            grid = self.block  # type: ignore[assignment]
+            grid = self._block()
             offset = (r0 % grid[0], c0 % grid[1])
         return np.asarray(dequantize_box(weight.astype(np.float32), scale, grid, offset))
 
@@ -282,3 +292,10 @@ def online_quant_config(method: str, config: Mapping[str, Any], stored: bool = F
     else:
         scheme = Fp8Scheme("block", (128, 128), scale_name="weight_scale_inv", online=not stored, block_rule="none")
     return QuantConfig(f"online-{method}", scheme, kv_params=BASE_KV, mapping=(CACHE_SCALES,), optional=OPTIONAL_KV)
+
+
+def _split(sharding: Sharding) -> Split:
+    """The split a column's rows (or a row's columns) have: what a block scale counts blocks of."""
+    if not isinstance(sharding, Split):
+        raise TypeError(f"a block scale needs a split weight, not {sharding!r}")
+    return sharding
