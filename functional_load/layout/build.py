@@ -151,6 +151,11 @@ def build_layout(
     :mod:`functional_load.quant`) decides each linear's quantized tensors; ``text_only`` leaves
     out the ``vision = true`` modules (their tensors are dropped, with the reason). Divisibility
     problems of all modules are collected and raised together as one ShardingError."""
+    if parallel.pp_size > 1 or parallel.dp_size > 1:  # the rank value has the axes; the layouts are not planned yet
+        raise ShardingError(
+            f"pp_size={parallel.pp_size}, dp_size={parallel.dp_size}: pipeline stages and data-parallel expert sharding "
+            f"are not planned yet (a stage holds only its layers, experts spread over dp x tp ranks); load with pp_size=1 and dp_size=1"
+        )
     scope = Scope(config, spec.dims)
     stages = tuple(_stage_table(stage, scope) for stage in spec.stages if stage.layers is not None or evaluate(stage.when, scope))
     schemes: dict[str, Scheme] = {}

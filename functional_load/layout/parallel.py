@@ -45,11 +45,15 @@ def local_expert_slots(
 
 @dataclass(frozen=True, slots=True)
 class Parallel:
-    """Which rank of how many, and how MoE experts are spread.
+    """One rank over every parallel axis vLLM has, and how MoE experts are spread.
 
-    With ``expert_parallel`` the experts are spread over the ``tp_size`` ranks
-    (``ep_size = tp_size``, ``ep_rank = rank``) and kept whole, while attention stays
-    tensor-parallel; ``num_redundant_experts`` extra physical experts repeat logical ones.
+    ``tp_size``/``rank``: the tensor-parallel group and this rank in it (attention and dense
+    layers are split over it alone); ``pp_size``/``pp_rank``: the pipeline stage;
+    ``dp_size``/``dp_rank``: the data-parallel replica. Fused MoE experts are split over the
+    flattened ``dp_size x tp_size`` ranks at rank ``dp_rank * tp_size + rank`` (vLLM's
+    ``FusedMoEParallelConfig.flatten_tp_across_dp_and_pcp``): with ``expert_parallel`` whole
+    experts are spread over that group (``ep_size``, ``ep_rank``), otherwise each expert is split
+    over it (``expert_tp``); ``num_redundant_experts`` extra physical experts repeat logical ones.
     """
 
     tp_size: int = 1
@@ -57,14 +61,15 @@ class Parallel:
     expert_parallel: bool = False
     expert_placement: str = "linear"
     num_redundant_experts: int = 0
+    pp_size: int = 1
+    pp_rank: int = 0
+    dp_size: int = 1
+    dp_rank: int = 0
 
     def __post_init__(self) -> None:
-        if isinstance(self.tp_size, bool) or not isinstance(self.tp_size, int) or self.tp_size < 1:
-            raise ShardingError(f"tp_size must be a positive integer, got {self.tp_size!r}")
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 0 <= self.rank < self.tp_size:
-            raise ShardingError(
-                f"rank must be in [0, {self.tp_size}) for tp_size={self.tp_size}, got {self.rank!r}; ranks count from 0"
-            )
+        for size, index, what in ((self.tp_size, self.rank, "tp_size/rank"), (self.pp_size, self.pp_rank, "pp_size/pp_rank"),
+                                  (self.dp_size, self.dp_rank, "dp_size/dp_rank")):
+            _check_axis(size, index, what)
         if not isinstance(self.expert_parallel, bool):
             raise ShardingError(f"expert_parallel must be True or False, got {self.expert_parallel!r}")
         if self.expert_placement not in PLACEMENTS:
@@ -76,23 +81,48 @@ class Parallel:
             raise ShardingError("num_redundant_experts needs expert_parallel=True (redundant experts are an EP feature)")
 
     @property
+    def moe_size(self) -> int:
+        """The ranks fused MoE experts are spread or split over: ``dp_size x tp_size``."""
+        return self.dp_size * self.tp_size
+
+    @property
+    def moe_rank(self) -> int:
+        """This rank's place among them: ``dp_rank * tp_size + rank``."""
+        return self.dp_rank * self.tp_size + self.rank
+
+    @property
     def ep_size(self) -> int:
-        return self.tp_size if self.expert_parallel else 1
+        return self.moe_size if self.expert_parallel else 1
+
+    @property
+    def ep_rank(self) -> int:
+        return self.moe_rank if self.expert_parallel else 0
 
     @property
     def expert_tp(self) -> Parallel:
         """The tensor-parallel split inside each expert: none under expert parallelism."""
-        return Parallel() if self.expert_parallel else Parallel(self.tp_size, self.rank)
+        return Parallel() if self.expert_parallel else Parallel(self.moe_size, self.moe_rank)
 
     def expert_slots(self, num_experts: int) -> tuple[int, ...]:
         """The logical expert held in each local expert slot of this rank."""
-        return local_expert_slots(num_experts, self.ep_size, self.rank, self.expert_placement, self.num_redundant_experts)
+        return local_expert_slots(num_experts, self.ep_size, self.ep_rank, self.expert_placement, self.num_redundant_experts)
 
     def to_json(self) -> dict[str, object]:
-        return {
+        out: dict[str, object] = {
             "tp_size": self.tp_size,
             "rank": self.rank,
             "expert_parallel": self.expert_parallel,
             "expert_placement": self.expert_placement,
             "num_redundant_experts": self.num_redundant_experts,
         }
+        if self.pp_size > 1 or self.dp_size > 1:  # a single-stage, single-replica rank is written as before
+            out.update(pp_size=self.pp_size, pp_rank=self.pp_rank, dp_size=self.dp_size, dp_rank=self.dp_rank)
+        return out
+
+
+def _check_axis(size: object, index: object, what: str) -> None:
+    name, index_name = what.split("/")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ShardingError(f"{name} must be a positive integer, got {size!r}")
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < size:
+        raise ShardingError(f"{index_name} must be in [0, {size}) for {name}={size}, got {index!r}; ranks count from 0")
