@@ -183,7 +183,7 @@ def _not_for_targets(opts: LoadOptions) -> None:
 
 def spec_drops(config: Mapping[str, Any], opts: LoadOptions) -> tuple[Drop, ...]:
     """Checkpoint tensors the architecture spec says are no parameter (multi-token-prediction
-    layers...), and with ``text_only`` the vision tower: a target need not take them."""
+    layers..., a tied ``lm_head``), and with ``text_only`` the vision tower: a target need not take them."""
     import re
 
     try:
@@ -194,6 +194,7 @@ def spec_drops(config: Mapping[str, Any], opts: LoadOptions) -> tuple[Drop, ...]
         return ()  # no spec for this architecture: only the map's drops apply
     drops = [Drop("^" + re.escape(prefix), why) for prefix, why in layout.drops]
     drops += [Drop("^" + re.escape(pattern).replace(re.escape("{layer}"), r"\d+") + r"\.", why) for pattern, why in layout.left_out]
+    drops += [Drop("^" + re.escape(alias) + "$", f"tied to {target} (the spec's [tie])") for alias, target in layout.aliases.items()]
     return tuple(drops)
 
 

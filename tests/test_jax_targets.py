@@ -694,3 +694,41 @@ def test_a_rule_that_matches_no_leaf_is_named(tiny_checkpoint):
         fl.load_jax(path, target=target, mapping=fl.TargetMap(rules, drops=(fl.Drop(keep, "not in this tree"),)))
     assert "rule 'lyers.{layer}.ln2' of <map> matches no target leaf; closest leaves: ['layers.0.ln']" in str(info.value)
     assert "layers_{layer}.ln" not in str(info.value) and len(info.value.problems) == 1
+
+
+def test_a_tied_head_the_checkpoint_stores_is_dropped_by_the_specs_tie(tiny_checkpoint, tmp_path):
+    """A tied checkpoint that also stores ``lm_head.weight`` (some exporters write both): the
+    spec's ``[tie]`` says it is the embedding, so a target without a head need not take it; an
+    untied model's head is a tensor no leaf takes."""
+    import json
+    import shutil
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh
+    from safetensors.torch import load_file, save_file
+
+    import functional_load as fl
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("model",))
+    source = tiny_checkpoint("llama", kv_heads=2, tie_word_embeddings=True)
+    tied = tmp_path / "tied"
+    shutil.copytree(source, tied)
+    files = sorted(tied.glob("*.safetensors"))
+    tensors = load_file(files[0])
+    embed = next(f for f in files if "model.embed_tokens.weight" in load_file(f))
+    tensors["lm_head.weight"] = load_file(embed)["model.embed_tokens.weight"].clone()
+    save_file(tensors, files[0], metadata={"format": "pt"})
+    index = tied / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"]["lm_head.weight"] = files[0].name
+        index.write_text(json.dumps(data))
+    rule = {"norm": fl.Rule("model.norm.weight", "d -> d")}
+    keep = (fl.Drop(r"^model\.(?!norm\.weight$)", "not in this tree"),)
+    target = {"norm": _sds((64,), jnp.bfloat16, mesh)}
+    fl.load_jax(tied, target=target, mapping=fl.TargetMap(rule, drops=keep))  # the head: the spec's tie
+    config = json.loads((tied / "config.json").read_text())
+    (tied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    with pytest.raises(fl.PlanError, match=r"'lm_head\.weight'"):
+        fl.load_jax(tied, target=target, mapping=fl.TargetMap(rule, drops=keep))

@@ -25,10 +25,8 @@ from types import MappingProxyType
 
 from ..dtypes import itemsize
 from ..errors import FormatError
+from ..layout.segments import Box
 from ..model.mapping import MappingTable
-
-Range = tuple[int, int]
-Box = tuple[Range, ...]
 
 
 @dataclass(frozen=True, slots=True)

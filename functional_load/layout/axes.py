@@ -16,8 +16,8 @@ import math
 from dataclasses import dataclass
 
 from ..errors import ConfigError
+from .segments import Range
 
-Range = tuple[int, int]
 ROTARY = ("pairs", "halves")  # "pairs": HF's halves -> interleaved pairs; "halves": the inverse
 
 

@@ -153,7 +153,7 @@ def plan_target(
         plans.append(plan)
         used.update({info.name: info for info in (*plan.sources.values(), *plan.scales.values())})
     problems += _unmatched_rules(compiled, leaves, sources, set(used), target_map.name)
-    dropped = _unused(checkpoint, {**{n: checkpoint.tensors[n] for n in claimed}, **used}, target_map, config, problems)
+    dropped = _unused(checkpoint, {**{n: checkpoint.tensors[n] for n in claimed}, **used}, target_map, problems)
     if problems:
         raise PlanError(problems)
     return TargetPlan(str(checkpoint.directory), tuple(plans), used, tuple(dropped), checkpoint.checksums)
@@ -356,14 +356,11 @@ def _check_sharding(leaf: Leaf) -> None:
         raise ConfigError(f"its sharding {leaf.sharding} does not divide its shape {list(leaf.shape)}: {exc}") from None
 
 
-def _unused(
-    checkpoint: Checkpoint, used: Mapping[str, TensorInfo], target_map: TargetMap, config: Mapping[str, Any], problems: list[str]
-) -> list[tuple[str, str]]:
-    """Checkpoint tensors no leaf takes: dropped when the map (or a rotary cache, or a tied head)
-    says so, a problem otherwise."""
+def _unused(checkpoint: Checkpoint, used: Mapping[str, TensorInfo], target_map: TargetMap, problems: list[str]) -> list[tuple[str, str]]:
+    """Checkpoint tensors no leaf takes: dropped when the map's drops (the spec's among them: a
+    tied head) say so or they are a rotary cache, a problem otherwise."""
     caches = [rule.pattern for rule in ROTARY_CACHES.rules]
     drops = [(re.compile(d.pattern), d.reason) for d in target_map.drops]
-    tied = bool(config.get("tie_word_embeddings") or (config.get("text_config") or {}).get("tie_word_embeddings"))
     dropped, unused = [], []
     for name in checkpoint.tensors:
         if name in used:
@@ -371,8 +368,6 @@ def _unused(
         reason = next((why for regex, why in drops if regex.search(name)), None)
         if reason is None and any(c in name for c in caches):
             reason = "a rotary cache (computed, not a parameter)"
-        if reason is None and tied and name.endswith("lm_head.weight"):
-            reason = "tied to the token embedding (tie_word_embeddings)"
         if reason is None:
             unused.append(name)
         else:
