@@ -15,7 +15,7 @@ from typing import Any
 from ..errors import ConfigError
 from ..layout.quantized import Scheme
 from .config import QuantConfig, group_size_field, ignore_list, int_field, names
-from .fp8 import Fp8Scheme, Int8Scheme
+from .fp8 import Fp8Scheme, Int8Scheme, scale_geometry
 from .kv import CACHE_SCALES, COMPRESSED_TENSORS_KV, OPTIONAL_KV
 from .mxfp4 import compressed_tensors_mxfp4
 from .mxfp8 import compressed_tensors_mxfp8
@@ -42,15 +42,15 @@ def group_scheme(group: Mapping[str, Any], fmt: str) -> Scheme:
     if kind == "float":
         if bits != 8:
             raise ConfigError(f"compressed-tensors float weights of {bits} bits in format {fmt!r} are not supported")
-        block = tuple(int_field(b, "weights.block_structure") for b in weights["block_structure"]) if strategy == "block" else None
-        return Fp8Scheme(strategy, block, static_input)  # type: ignore[arg-type]
+        block = [int_field(b, "weights.block_structure") for b in weights["block_structure"]] if strategy == "block" else None
+        return Fp8Scheme(scale_geometry(strategy, block, "fp8"), static_input)
     if fmt == "pack-quantized":
         return PackScheme(bits, group_size_field(weights.get("group_size")), bool(weights.get("symmetric", True)),
                           weights.get("actorder") == "group")
     if bits == 8 and fmt in ("int-quantized", "naive-quantized"):
         if strategy not in ("tensor", "channel"):
             raise ConfigError(f"compressed-tensors int8 weights with strategy {strategy!r} are not supported")
-        return Int8Scheme(strategy, static_input=static_input)
+        return Int8Scheme(scale_geometry(strategy, None, "int8"), static_input=static_input)
     raise ConfigError(f"compressed-tensors format {fmt!r} with {bits}-bit {kind} weights is not supported")
 
 

@@ -15,7 +15,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,14 +35,61 @@ BLOCK_RULES = ("strict", "fp8", "none")
 
 
 @dataclass(frozen=True, slots=True)
+class TensorScale:
+    """One scale per logical shard of a fused linear (per tensor)."""
+
+    name = "tensor"
+
+
+@dataclass(frozen=True, slots=True)
+class ChannelScale:
+    """One scale per output row (``[out, 1]``)."""
+
+    name = "channel"
+
+
+@dataclass(frozen=True, slots=True)
+class BlockScale:
+    """One scale per ``rows x cols`` block of the weight."""
+
+    rows: int
+    cols: int
+    name = "block"
+
+    def __post_init__(self) -> None:
+        if not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in (self.rows, self.cols)):
+            raise ConfigError(f"block quantization needs a block size of 2 positive integers, got {[self.rows, self.cols]!r}; "
+                              f"check config.json")
+
+    @property
+    def size(self) -> tuple[int, int]:
+        return self.rows, self.cols
+
+
+ScaleGeometry = TensorScale | ChannelScale | BlockScale
+
+
+def scale_geometry(strategy: str, block: Sequence[int] | None = None, what: str = "fp8") -> ScaleGeometry:
+    """A config's scale strategy (``"tensor"``, ``"channel"``, ``"block"`` with its block size)."""
+    if strategy == "tensor":
+        return TensorScale()
+    if strategy == "channel":
+        return ChannelScale()
+    if strategy == "block":
+        if block is None or len(block) != 2:
+            raise ConfigError(f"block quantization needs a block size of 2 positive integers, got {block!r}; check config.json")
+        return BlockScale(block[0], block[1])
+    raise ConfigError(f"{what} weights with a {strategy!r} scale strategy are not supported; use one of {STRATEGIES}")
+
+
+@dataclass(frozen=True, slots=True)
 class Fp8Scheme(BaseScheme):
-    """FP8 weights: ``strategy`` tensor / channel / block (``block = (bn, bk)``), the scale named
+    """FP8 weights whose scale has ``geometry`` (per tensor, per channel, per block), named
     ``scale_name``; ``static_input``: a static per-tensor input scale; ``online``: the checkpoint
     holds dense weights, quantized while loading; ``block_rule``: the block-shape check
     (:class:`~functional_load.layout.scales.Blocked`)."""
 
-    strategy: str = "tensor"
-    block: tuple[int, int] | None = None
+    geometry: ScaleGeometry = TensorScale()
     static_input: bool = False
     scale_name: str = "weight_scale"
     scale_dtype: str = "float32"
@@ -50,21 +97,24 @@ class Fp8Scheme(BaseScheme):
     block_rule: str = "strict"
 
     def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise ConfigError(f"{self.format} weights with a {self.strategy!r} scale strategy are not supported; use one of {STRATEGIES}")
-        if self.strategy == "block":
-            block = self.block
-            if block is None or len(block) != 2 or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block):
-                raise ConfigError(f"block quantization needs a block size of 2 positive integers, got {block!r}; check config.json")
         if self.block_rule not in BLOCK_RULES:
             raise ConfigError(f"unknown block rule {self.block_rule!r}")
 
     @property
+    def strategy(self) -> str:
+        return self.geometry.name
+
+    @property
     def block_size(self) -> tuple[int, int]:
-        """The ``(rows, columns)`` of a scale block (block strategy only)."""
-        if self.block is None:
+        """The ``(rows, columns)`` of a scale block (block geometry only)."""
+        if not isinstance(self.geometry, BlockScale):
             raise ValueError(f"{self.format} weights with a {self.strategy!r} scale have no block size")
-        return self.block
+        return self.geometry.size
+
+    def to_json(self) -> dict[str, Any]:
+        block = list(self.geometry.size) if isinstance(self.geometry, BlockScale) else None
+        return {"format": self.format, "strategy": self.strategy, "block": block, "static_input": self.static_input,
+                "scale_name": self.scale_name, "scale_dtype": self.scale_dtype, "online": self.online, "block_rule": self.block_rule}
 
     @property
     def format(self) -> str:
@@ -89,13 +139,14 @@ class Fp8Scheme(BaseScheme):
         out, inp = linear.out_size, linear.in_size
         sharding: Sharding
         shape: tuple[int, ...]
-        if self.strategy == "tensor":
+        geometry = self.geometry
+        if isinstance(geometry, TensorScale):
             ids = linear.slot_ids()
             shape, sharding = (len(ids),), Slots(ids)
-        elif self.strategy == "channel":
+        elif isinstance(geometry, ChannelScale):
             shape, sharding = (out, 1), linear.out_split(0)
         else:
-            bn, bk = self.block_size
+            bn, bk = geometry.size
             shape = (-(-out // bn), -(-inp // bk))
             if linear.column:
                 sharding = Blocked(_split(linear.out_split(0)), bn, self.block_rule)
@@ -107,8 +158,8 @@ class Fp8Scheme(BaseScheme):
 
     def expert_params(self, experts: Experts, model_dtype: str) -> list[ParamDef]:
         def fix(p: ParamDef, linear: Linear, down: bool) -> ParamDef:
-            if p.role == "scale" and self.strategy == "block":
-                blocks = ExpertBlocks(experts.intermediate, experts.hidden, self.block_size, down=down, refine=self.block_rule == "fp8")
+            if p.role == "scale" and isinstance(self.geometry, BlockScale):
+                blocks = ExpertBlocks(experts.intermediate, experts.hidden, self.geometry.size, down=down, refine=self.block_rule == "fp8")
                 return p._replace(sharding=blocks)
             return p
 
@@ -164,7 +215,7 @@ class Fp8Scheme(BaseScheme):
         return quantize_dense(self, dense, specs, parallel)
 
     def box_dequantizer(self) -> Fp8Boxes | None:
-        return None if self.online else Fp8Boxes(self.scale_name, self.strategy, self.block)
+        return None if self.online else Fp8Boxes(self.scale_name, self.geometry)
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,25 +224,21 @@ class Fp8Boxes:
     ``W = q * scale``, in float32 by :func:`.fp8_kernels.dequantize_box` (jitted)."""
 
     scale: str
-    strategy: str
-    block: tuple[int, int] | None
+    geometry: ScaleGeometry
 
     @property
     def scale_names(self) -> tuple[str, ...]:
         return (self.scale,)
 
-    def _block(self) -> tuple[int, int]:
-        if self.block is None:
-            raise ValueError(f"a {self.strategy!r} scale has no block size")
-        return self.block
 
     def scale_box(self, name: str, box: tuple[tuple[int, int], ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-        if self.strategy == "tensor":
+        geometry = self.geometry
+        if isinstance(geometry, TensorScale):
             return tuple((0, n) for n in shape)
         (r0, r1), (c0, c1) = box
-        if self.strategy == "channel":
+        if isinstance(geometry, ChannelScale):
             return ((r0, r1), (0, shape[1]))
-        bn, bk = self._block()
+        bn, bk = geometry.size
         return ((r0 // bn, -(-r1 // bn)), (c0 // bk, -(-c1 // bk)))
 
     def apply(self, weight: Any, scales: Mapping[str, Any], box: tuple[tuple[int, int], ...]) -> Any:
@@ -201,14 +248,15 @@ class Fp8Boxes:
 
         scale = np.asarray(scales[self.scale], dtype=np.float32)
         (r0, _), (c0, _) = box
-        if self.strategy == "tensor":
+        geometry = self.geometry
+        if isinstance(geometry, TensorScale):
             grid, offset = (weight.shape[0], weight.shape[1]), (0, 0)
             scale = scale.reshape(1, 1)
-        elif self.strategy == "channel":
+        elif isinstance(geometry, ChannelScale):
             grid, offset = (1, weight.shape[1]), (0, 0)
             scale = scale.reshape(-1, 1)
         else:
-            grid = self._block()
+            grid = geometry.size
             offset = (r0 % grid[0], c0 % grid[1])
         return np.asarray(dequantize_box(weight.astype(np.float32), scale, grid, offset))
 
@@ -264,11 +312,11 @@ def parse_fp8(qc: Mapping[str, Any]) -> QuantConfig:
             )
         # vLLM keeps block scales float32, e8m0 (scale_fmt "ue8m0") ones included: powers of two, cast exactly.
         default = Fp8Scheme(
-            "block", (int_field(block[0], "weight_block_size[0]"), int_field(block[1], "weight_block_size[1]")),
+            BlockScale(int_field(block[0], "weight_block_size[0]"), int_field(block[1], "weight_block_size[1]")),
             scale_name="weight_scale_inv", block_rule="fp8",
         )
     else:
-        default = Fp8Scheme("tensor", static_input=activation == "static")
+        default = Fp8Scheme(TensorScale(), static_input=activation == "static")
     return QuantConfig("fp8", default, ignore_list(qc), kv_params=BASE_KV, mapping=(CACHE_SCALES,), optional=OPTIONAL_KV)
 
 
@@ -288,9 +336,9 @@ def online_quant_config(method: str, config: Mapping[str, Any], stored: bool = F
             f"({existing!r}); drop the quantization option to load it as stored"
         )
     if method == "fp8":
-        scheme = Fp8Scheme("tensor", online=not stored)
+        scheme = Fp8Scheme(TensorScale(), online=not stored)
     else:
-        scheme = Fp8Scheme("block", (128, 128), scale_name="weight_scale_inv", online=not stored, block_rule="none")
+        scheme = Fp8Scheme(BlockScale(128, 128), scale_name="weight_scale_inv", online=not stored, block_rule="none")
     return QuantConfig(f"online-{method}", scheme, kv_params=BASE_KV, mapping=(CACHE_SCALES,), optional=OPTIONAL_KV)
 
 

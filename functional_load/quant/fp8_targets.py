@@ -90,7 +90,7 @@ def quantize_dense(scheme: Any, dense: Any, specs: Mapping[str, Any], parallel: 
         scales = torch.full(scale_spec.local_shape, float(scale), dtype=torch.float32)
         return {"weight": to_torch(quantized), scheme.scale_name: scales}
     ranges = [rng for _, rng in specs["weight"].local_pieces(parallel)]
-    parts = [kernels.quantize_fp8_block(weight[a:b], scheme.block) for a, b in ranges]
+    parts = [kernels.quantize_fp8_block(weight[a:b], scheme.block_size) for a, b in ranges]
     quantized = torch.cat([to_torch(q) for q, _ in parts])
     scales = torch.cat([to_torch(s) for _, s in parts]).to(torch.float32)
     if tuple(scales.shape) != tuple(scale_spec.local_shape):

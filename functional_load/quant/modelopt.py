@@ -16,7 +16,7 @@ from typing import Any
 from ..errors import ConfigError
 from ..layout.quantized import Scheme
 from .config import QuantConfig, ignore_list
-from .fp8 import Fp8Scheme
+from .fp8 import Fp8Scheme, TensorScale
 from .kv import BASE_KV, CACHE_SCALES, OPTIONAL_KV
 from .mxfp8 import Mxfp8Scheme
 from .nvfp4 import GROUP, Nvfp4Scheme
@@ -38,7 +38,7 @@ def parse_modelopt(qc: Mapping[str, Any]) -> QuantConfig:
 
 def _scheme(algo: str, qc: Mapping[str, Any]) -> Scheme | None:
     if algo == "FP8":
-        return Fp8Scheme("tensor", static_input=True)
+        return Fp8Scheme(TensorScale(), static_input=True)
     if algo in ("NVFP4", "W4A16_NVFP4"):
         group = qc.get("group_size") or ((qc.get("config_groups") or {}).get("group_0") or {}).get("weights", {}).get("group_size")
         if group not in (None, GROUP):

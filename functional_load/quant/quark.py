@@ -13,7 +13,7 @@ from typing import Any
 from ..errors import ConfigError
 from ..layout.quantized import Scheme
 from .config import QuantConfig, ignore_list
-from .fp8 import Fp8Scheme
+from .fp8 import Fp8Scheme, scale_geometry
 from .kv import BASE_KV, CACHE_SCALES, OPTIONAL_KV
 from .mxfp4 import quark_mxfp4
 
@@ -39,5 +39,5 @@ def parse_quark(qc: Mapping[str, Any]) -> QuantConfig:
     if strategy is None:
         raise ConfigError(f"config.json: Quark FP8 qscheme {weight.get('qscheme')!r} is not supported (per_tensor, per_channel)")
     static = not inputs.get("is_dynamic", True) and inputs.get("qscheme") == "per_tensor"
-    scheme = Fp8Scheme(strategy, static_input=static)
+    scheme = Fp8Scheme(scale_geometry(strategy), static_input=static)
     return QuantConfig("quark", scheme, ignore_list(qc), kv_params=BASE_KV, mapping=(CACHE_SCALES,), optional=OPTIONAL_KV)
