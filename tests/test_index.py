@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
+from functional_load.checkpoint import FileStamp
 from functional_load.checkpoint.discover import discover
-from functional_load.checkpoint.index import MAX_HEADER_BYTES, index_checkpoint, read_header
+from functional_load.checkpoint.index import MAX_HEADER_BYTES, _fast_entry, _parse_entry, index_checkpoint, read_header
 from functional_load.errors import CheckpointError
 
 
@@ -194,3 +198,43 @@ def test_checkpoint_tensors_are_read_only(tmp_path):
     checkpoint = index_checkpoint(discover(tmp_path))
     with pytest.raises(TypeError):
         checkpoint.tensors["x"] = checkpoint.tensors["w"]
+
+
+# ---- the fast and the strict entry parsers agree ----------------------------------------------------
+
+_VALUES = st.one_of(st.integers(-3, 2**40), st.booleans(), st.none(), st.text(max_size=3), st.floats(allow_nan=False))
+_ENTRIES = st.fixed_dictionaries(
+    {"dtype": st.one_of(st.sampled_from(["F32", "BF16", "F8_E4M3", "I64", "U8", "BOOL", "F4"]), _VALUES),
+     "shape": st.one_of(st.lists(st.one_of(st.integers(0, 6), _VALUES), max_size=3), _VALUES),
+     "data_offsets": st.one_of(st.lists(st.one_of(st.integers(0, 200), _VALUES), min_size=0, max_size=3), _VALUES)},
+    optional={"extra": _VALUES},
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(entry=_ENTRIES, data=st.data())
+def test_the_fast_entry_parser_accepts_exactly_what_the_strict_one_accepts(entry: dict, data: st.DataObject) -> None:
+    """Where the strict parser accepts an entry, the fast one returns the same TensorInfo; where
+    it refuses, the fast one returns None (and the strict one names the problem)."""
+    sizes = {"F32": 4, "BF16": 2, "F8_E4M3": 1, "I64": 8, "U8": 1, "BOOL": 1}
+    shape, dtype = entry.get("shape"), entry.get("dtype")
+    plain = isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
+    if data.draw(st.booleans()) and plain and isinstance(dtype, str) and dtype in sizes:  # often consistent: both paths run
+        begin = data.draw(st.integers(0, 2))
+        offsets = [begin, begin + sizes[dtype] * math.prod(shape)]
+        # the same numbers in another type (True == 1, 1.0 == 1): only the type tells them apart
+        disguise = data.draw(st.sampled_from([None, "bool", "float"]))
+        i = data.draw(st.integers(0, 1))
+        if disguise == "bool" and offsets[i] in (0, 1):
+            offsets[i] = bool(offsets[i])
+        elif disguise == "float":
+            offsets[i] = float(offsets[i])
+        entry = {**entry, "data_offsets": offsets}
+    stamp, path = FileStamp(10_000, 0, 0, 0), Path("/x/model.safetensors")
+    fast = _fast_entry(path, "t", entry, 8, 10_000, stamp)
+    try:
+        strict = _parse_entry(path, "t", entry, 8, 10_000, stamp)
+    except CheckpointError:
+        assert fast is None, entry
+    else:
+        assert fast == strict, entry
