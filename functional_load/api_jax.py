@@ -224,7 +224,7 @@ def _target(model: Any, tree: Any, target_map: TargetMap, mesh: Any, reader: Rea
 
         def raw(info: Any, source_box: tuple[Range, ...], groups: tuple[tuple[int, ...], ...]) -> np.ndarray:
             out = np.empty(tuple(b - a for a, b in source_box), dtype=to_numpy(torch_name(info.dtype)))
-            active.read_view(info, groups, source_box, memoryview(out.reshape(-1).view(np.uint8)))  # type: ignore[arg-type]
+            active.read_view(info, groups, source_box, out.reshape(-1).view(np.uint8).data)
             return out
 
         def read(which: tuple[int, ...], source_box: tuple[Range, ...]) -> np.ndarray:

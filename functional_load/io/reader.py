@@ -107,7 +107,7 @@ class Reader:
             outer = tuple((int(f.min()), int(f.max()) + 1) for f in flat)
             item = itemsize(info.dtype)
             chunk = np.empty(box_volume(outer) * item, dtype=np.uint8)
-            self.read_into(info, outer, memoryview(chunk).cast("B"))  # type: ignore[arg-type]
+            self.read_into(info, outer, chunk.data.cast("B"))
             block = chunk.reshape(tuple(b - a for a, b in outer) + (item,))
             picked = block[np.ix_(*(f - lo for f, (lo, _) in zip(flat, outer)), np.arange(item))]
             np.copyto(np.frombuffer(out, dtype=np.uint8), picked.reshape(-1))

@@ -198,3 +198,10 @@ def view_to_dims(view: tuple[tuple[int, ...], ...], box: tuple[Range, ...]) -> t
         picks.append([f - min(flat) for f in flat])
         at += len(sizes)
     return tuple(outer), picks
+
+
+def read_axes(reads: tuple[AxisRead | None, ...]) -> tuple[AxisRead, ...] | None:
+    """How each axis of a piece is read, or None for a piece that is all padding
+    (:meth:`Arrangement.boxes` gives None for every axis of such a piece)."""
+    present = tuple(r for r in reads if r is not None)
+    return present if len(present) == len(reads) else None

@@ -47,6 +47,13 @@ def _linear(module: ModuleSpec, scope: Scope) -> Linear:
     return Linear(kind, in_size, segments, disable_tp, str(f.get("stored", "concat")))
 
 
+def _list(value: object, where: str) -> list[str | int | float | bool]:
+    """A spec field that must be a list (a TOML array) of expressions."""
+    if not isinstance(value, list) or not all(isinstance(v, (str, int, float)) for v in value):
+        raise ConfigError(f"{where} = {value!r}: expected a list of expressions (numbers, booleans or strings)")
+    return value
+
+
 def _units(rows: int, unit: int, where: str) -> int:
     if unit < 1 or rows % unit:
         raise ConfigError(f"{where}: {rows} rows are not a whole number of units of {unit}; check config.json")
@@ -58,9 +65,9 @@ def sections(fields: Mapping[str, object], key: str, scope: Scope, where: str) -
     parameter), with per-section ``units`` (rows per unit: a head; default 1) and ``replicate``
     (a section of fewer units than ranks is repeated on them, as vLLM's KV heads and Mamba-2's
     single B/C group are)."""
-    outs = list(fields[key])  # type: ignore[call-overload]
-    units = list(fields.get("units", [1] * len(outs)))  # type: ignore[call-overload]
-    replicate = list(fields.get("replicate", [False] * len(outs)))  # type: ignore[call-overload]
+    outs = _list(fields[key], f"{where}.{key}")
+    units = _list(fields.get("units", [1] * len(outs)), f"{where}.units")
+    replicate = _list(fields.get("replicate", [False] * len(outs)), f"{where}.replicate")
     if not len(outs) == len(units) == len(replicate):
         raise ConfigError(f"{where}: {key}, units and replicate must have one entry per section")
     out = []
@@ -149,7 +156,7 @@ def _param(suffix: str, fields: Mapping[str, object], scope: Scope, where: str, 
     ``transform`` (a value vLLM's loader computes from the stored one); ``when`` (the parameter
     exists only when it holds); ``squeeze`` (the checkpoint may store it with extra size-1
     dimensions, as vLLM's loader accepts: Kimi-Linear's A_log)."""
-    shape = tuple(scope.int(d, f"{where}.shape") for d in fields["shape"])  # type: ignore[attr-defined]
+    shape = tuple(scope.int(d, f"{where}.shape") for d in _list(fields["shape"], f"{where}.shape"))
     squeeze = bool(fields.get("squeeze", False))
     sharding: Sharding = Replicated(squeeze)
     if "split" in fields:

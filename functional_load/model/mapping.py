@@ -158,8 +158,10 @@ class MappingTable:
                     new, ids = cast(tuple[str, Any], value)
                     shard_ids = shard_id_tuple(ids)
                     rules.append(Rule(kind, pattern, new, shard_ids))
+                elif value is None or isinstance(value, str):  # a replacement, or None to drop
+                    rules.append(Rule(kind, pattern, value))
                 else:
-                    rules.append(Rule(kind, pattern, value))  # type: ignore[arg-type]
+                    raise ValueError(f"{kind} rule {pattern!r}: the replacement must be a string (or None to drop), not {value!r}")
         if kinds:
             raise ValueError(f"unknown rule kinds {sorted(kinds)}; expected {RULE_KINDS}")
         return cls(tuple(rules))

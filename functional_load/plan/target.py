@@ -20,7 +20,7 @@ from typing import Any
 from ..checkpoint import Checkpoint, TensorInfo
 from ..dtypes import torch_name
 from ..errors import ConfigError, PlanError
-from ..layout.axes import Arrangement, Axis, AxisRead, Range
+from ..layout.axes import Arrangement, Axis, AxisRead, Range, read_axes
 from ..layout.quantized import BoxDequantizer, Quantization
 from ..model.expressions import Scope, evaluate
 from ..model.mapping import ROTARY_CACHES
@@ -63,11 +63,12 @@ class LeafPlan:
         ``index`` needs."""
         out = []
         k = self.arrangement.stacked
-        for _, axes in self.pieces(index):
-            if axes[0] is None:
+        for _, piece in self.pieces(index):
+            axes = read_axes(piece)
+            if axes is None:
                 continue
-            ranges = [range(*a.src) for a in axes[:k]]  # type: ignore[union-attr]
-            box = tuple(a.src for a in axes[k:])  # type: ignore[union-attr]
+            ranges = [range(*a.src) for a in axes[:k]]
+            box = tuple(a.src for a in axes[k:])
             out += [(self.sources[which], box) for which in itertools.product(*ranges)]
         return out
 

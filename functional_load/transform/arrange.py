@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ..layout.axes import Arrangement, AxisRead, Range
+from ..layout.axes import Arrangement, AxisRead, Range, read_axes
 from ..plan.rotary import to_halves, to_pairs
 
 # (stacked index, box over the source tensor's axes) -> that box of the source, shaped as its axes
@@ -51,9 +51,9 @@ def arrange_block(
     k = arrangement.stacked
     order = [i for group in arrangement.target for i in group]
     for place, reads in arrangement.boxes(index):
-        if reads[0] is None:
+        axis_reads = read_axes(reads)
+        if axis_reads is None:
             continue  # all padding: zeros
-        axis_reads: tuple[AxisRead, ...] = reads  # type: ignore[assignment]
         stacked = [range(*r.src) for r in axis_reads[:k]]
         box = tuple(r.src for r in axis_reads[k:])
         parts = [read(which, box) for which in itertools.product(*stacked)]
