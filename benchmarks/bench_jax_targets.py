@@ -69,7 +69,7 @@ tpu-inference reads it through vLLM's ``ModelConfig``; MaxText through the overr
 ``maxtext_stack.overrides`` (``rope_use_scale=false`` for the default rope type).
 
 Run on a quiet machine, from the repository root, in the main environment (torch writes the
-checkpoint; the stack environments are built by ``python -m functional_load.testing.jaxstacks.env``)::
+checkpoint; the stack environments are built by ``python -m harness.jaxstacks.env``)::
 
     nice -n 10 .venv/bin/python benchmarks/bench_jax_targets.py [--rounds 7] [--stacks tpu-inference,maxtext]
         [--methods functional_load,own,own_restore,orbax_v1] [--scenarios cold,hot] [--json OUT.json] [--small]
@@ -122,8 +122,8 @@ STACKS = {
     "maxtext": Stack("maxtext", ".venv-maxtext", {"fsdp": 4, "tensor": 2}, "maxtext.llama3.1", {"scan_layers": True},
                      ("functional_load", "own", "own_restore", "orbax_v1")),
 }
-WORKER_MODULES = {"tpu-inference": "functional_load.testing.jaxstacks.tpu_inference_stack",
-                  "maxtext": "functional_load.testing.jaxstacks.maxtext_stack"}
+WORKER_MODULES = {"tpu-inference": "harness.jaxstacks.tpu_inference_stack",
+                  "maxtext": "harness.jaxstacks.maxtext_stack"}
 ORBAX_VENV = ".venv-maxtext"  # orbax-checkpoint's v1 safetensors layout is installed there only
 COUNTERS = {
     ("tpu-inference", "functional_load"): "Reader.bytes_read",
@@ -257,7 +257,7 @@ def _spec_json(spec: Any) -> list[Any]:
 
 def describe_target(target: Any) -> dict[str, Any]:
     """Shapes, dtypes and shardings of a flat target, with its mesh (axis names, shape, device ids)."""
-    from functional_load.testing.jaxstacks.common import flatten
+    from harness.jaxstacks.common import flatten
 
     leaves, mesh = {}, None
     for name, leaf in flatten(target).items():
@@ -321,7 +321,7 @@ def write_layout(arrays: dict[str, Any], out: Path, shard_bytes: int = 600_000_0
 def digests(tree: Any) -> dict[str, str]:
     import numpy as np
 
-    from functional_load.testing.jaxstacks.common import flatten
+    from harness.jaxstacks.common import flatten
 
     out = {}
     for name, leaf in flatten(tree).items():
@@ -363,8 +363,8 @@ def run_method(worker: Any, job: dict[str, Any], marks: dict[str, float]) -> tup
             tree = load_jax(ckpt, target=target, mapping=job["mapping"], reader=reader)
             return tree, reader.bytes_read
     if method == "orbax_v1":
-        from functional_load.testing.jaxstacks import orbax_safetensors
-        from functional_load.testing.jaxstacks.common import flatten
+        from harness.jaxstacks import orbax_safetensors
+        from harness.jaxstacks.common import flatten
 
         if stack == "maxtext":
             target = flatten(_stack_target(worker, job)[0])
@@ -402,7 +402,7 @@ def run_method(worker: Any, job: dict[str, Any], marks: dict[str, float]) -> tup
 def worker_main(job: dict[str, Any]) -> int:
     import importlib
 
-    from functional_load.testing.jaxstacks.common import setup_cpu_devices
+    from harness.jaxstacks.common import setup_cpu_devices
 
     setup_cpu_devices(DEVICES)
     # Orbax runs in MaxText's environment: there the tpu-inference target comes from its JSON description.
@@ -412,7 +412,7 @@ def worker_main(job: dict[str, Any]) -> int:
 
     from functional_load.api_jax import load_jax  # noqa: F401  (imported before the timer)
     if job["method"] == "orbax_v1":
-        from functional_load.testing.jaxstacks import orbax_safetensors  # noqa: F401
+        from harness.jaxstacks import orbax_safetensors  # noqa: F401
     if job["kind"] == "convert":  # MaxText's conversion, once, for own_restore
         worker.convert(job["checkpoint"], job["mesh"], job["converted_root"], dtype=job["dtype"], **job["options"])
         print(RESULT_TAG + json.dumps({"ok": True}), flush=True)
@@ -420,7 +420,7 @@ def worker_main(job: dict[str, Any]) -> int:
     assert len(jax.devices()) >= DEVICES, jax.devices()
     if job["kind"] == "layout":  # the target's leaves as safetensors, once, for orbax_v1
         from functional_load.api_jax import load_jax as _load
-        from functional_load.testing.jaxstacks.common import flatten
+        from harness.jaxstacks.common import flatten
 
         target, _, _ = _stack_target(worker, job)
         out = Path(job["layout"])
@@ -438,8 +438,8 @@ def worker_main(job: dict[str, Any]) -> int:
     seconds = time.perf_counter() - start
     storage = _proc_io("read_bytes") - io0
     peak = _status_bytes("VmHWM")
-    from functional_load.testing.jaxstacks.common import flatten
-    from functional_load.testing.jaxstacks.replay import shard_bytes
+    from harness.jaxstacks.common import flatten
+    from harness.jaxstacks.replay import shard_bytes
 
     report = {"seconds": seconds, "marks": marks, "storage_read": storage, "logical_read": logical, "peak_rss": peak,
               "baseline_rss": baseline, "shard_bytes": shard_bytes(tree), "leaves": len(flatten(tree)),
@@ -605,7 +605,7 @@ def main(argv: list[str] | None = None) -> int:
     for stack in stacks:
         for venv in {stack.venv, ORBAX_VENV}:
             if not venv_python(venv).exists():
-                raise SystemExit(f"{venv} is missing: build it with `python -m functional_load.testing.jaxstacks.env`")
+                raise SystemExit(f"{venv} is missing: build it with `python -m harness.jaxstacks.env`")
     ckpt = args.checkpoint or llama3_checkpoint("llama3-small" if args.small else "llama3-8b", args.layers)
     ckpt_files = safetensors_files(ckpt)
     size = sum(p.stat().st_size for p in ckpt_files)

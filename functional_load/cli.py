@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import importlib.util
 import json
 import os
 import sys
@@ -107,6 +108,9 @@ def _verify(args: argparse.Namespace) -> None:
 
 
 def _check_spec(args: argparse.Namespace) -> None:
+    if importlib.util.find_spec("transformers") is None:
+        raise ConfigError("check-spec writes tiny checkpoints with transformers, which is not installed: "
+                          "pip install 'functional_load[check]'")
     from .testing.checkspec import check_spec, report  # the test harness (torch, transformers): only for this command
 
     checks = check_spec(
@@ -120,8 +124,6 @@ def _check_spec(args: argparse.Namespace) -> None:
 
 def _bench(args: argparse.Namespace) -> None:
     """Run benchmarks/bench_load.py (a source checkout's benchmarks folder) with the given options."""
-    import importlib.util
-
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_load.py"
     if not script.is_file():
         raise SystemExit(f"functional-load bench needs a source checkout: {script} not found")

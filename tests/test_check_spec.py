@@ -73,3 +73,12 @@ def test_the_cli_says_what_it_could_not_check_and_fails_on_a_failed_check(swappe
     assert failed.value.code == 1
     out = capsys.readouterr().out
     assert "skipped vLLM: no parity environment at" in out and "FAIL    forward tp 2" in out
+
+
+def test_the_cli_names_the_extra_check_spec_needs(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a))
+    assert cli_main(["check-spec", "llama", "--tp", "1"]) == 2
+    assert "pip install 'functional_load[check]'" in capsys.readouterr().err

@@ -8,7 +8,7 @@
   rank-local shape (FP8 drawn in float16, then cast); integer ones are zero (vLLM on ROCm; elsewhere
   vLLM leaves ``torch.empty``'s bytes). The golden values below were produced by vLLM's own
   function (``.venv-vllm``); the parity harness compares whole rank states with real vLLM
-  (``dummy-`` cases of ``functional_load.testing.parity.cases``).
+  (``dummy-`` cases of ``harness.parity.cases``).
 * A rank's values depend only on the rank itself: loading it alone, after other ranks, or in
   another order gives the same bits, and ``load_jax``'s shards are the torch ranks.
 * Names, shapes and dtypes are a real load's, for the quantized layouts of ``tests/fixtures/quant``.

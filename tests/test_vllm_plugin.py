@@ -2,7 +2,7 @@
 
 Without vLLM: the options vLLM passes through ``model_loader_extra_config``, and the matching of a
 plan against a live model's parameters (every mismatch listed, nothing silently skipped). In real
-vLLM (CI's oracle stage, ``functional_load.testing.plugin_record``): greedy generation with
+vLLM (CI's oracle stage, ``harness.plugin_record``): greedy generation with
 ``load_format="functional_load"`` gives the same tokens and logprobs as vLLM's default loader's
 recorded ones, at tp 1 and 2, on a dense GQA model, a Qwen3 model and a Qwen3-MoE model, and each
 worker reads exactly its planned share; here, that record must be current.
@@ -21,9 +21,10 @@ import functional_load as fl
 from functional_load.errors import ConfigError, PlanError
 from functional_load.integrations.vllm import ExtraConfig, MoePlacement, check_supported, fill_model, live_tensors, match_model
 from functional_load.layout.parallel import Parallel
-from functional_load.testing import plugin_record, records
+from functional_load.testing import records
 from functional_load.testing.checkpoints import write_checkpoint
-from functional_load.testing.plugin_record import SMALL
+from harness import plugin_record
+from harness.plugin_record import SMALL
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +171,7 @@ def test_expert_placement_must_match_vllms(tmp_path: Path) -> None:
 
 # ---- end to end in real vLLM ----------------------------------------------------------------------------
 # The functional_load load format generates in real vLLM in CI's oracle stage (``python -m
-# functional_load.testing.plugin_record --sample``), against vLLM's default loader's generations
+# harness.plugin_record --sample``), against vLLM's default loader's generations
 # recorded in tests/oracle/vllm-generate.json; here, that record must be current.
 
 

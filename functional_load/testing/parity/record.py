@@ -28,7 +28,7 @@ from . import env
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 STORE = records.RECORDS / "vllm"
-COMMAND = "python -m functional_load.testing.parity --refresh"
+COMMAND = "python -m harness.parity --refresh"
 Job = dict[str, Any]
 Answer = dict[str, Any]
 

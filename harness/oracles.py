@@ -1,13 +1,13 @@
 """Every oracle's recorded answers at once (CI's oracle stage; docs/parity.md).
 
-    python -m functional_load.testing.oracles --check                  # no oracle runs: exit 1 when any answer is stale
-    python -m functional_load.testing.oracles --sample 0.05 --seed SHA # real oracles recompute a sample; must equal the record
-    python -m functional_load.testing.oracles --refresh [--all]        # real oracles recompute the stale answers (every one)
+    python -m harness.oracles --check                  # no oracle runs: exit 1 when any answer is stale
+    python -m harness.oracles --sample 0.05 --seed SHA # real oracles recompute a sample; must equal the record
+    python -m harness.oracles --refresh [--all]        # real oracles recompute the stale answers (every one)
 
 The kinds: real vLLM's rank states (parity and check-spec, ``functional_load.testing.parity``),
 the functional_load load format's generation in real vLLM against the default loader's recorded
-one (``functional_load.testing.plugin_record``), and the JAX stacks' own loaders and forwards
-(``functional_load.testing.jaxstacks.record``). A sample takes at least the fraction of each
+one (``harness.plugin_record``), and the JAX stacks' own loaders and forwards
+(``harness.jaxstacks.record``). A sample takes at least the fraction of each
 kind's cases, and at least one case of each kind.
 """
 
@@ -28,7 +28,7 @@ KINDS: dict[str, Callable[[list[str] | None], int]] = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m functional_load.testing.oracles", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m harness.oracles", description=__doc__)
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--check", action="store_true")
     mode.add_argument("--sample", type=float, metavar="F")

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from ...vllm_target import VLLM_VERSION
-from .run import Row
+from functional_load.testing.parity.run import Row
+from functional_load.vllm_target import VLLM_VERSION
 
 
 def markdown(rows: list[Row], summary: str) -> str:
@@ -15,7 +15,7 @@ def markdown(rows: list[Row], summary: str) -> str:
     for row in rows:
         groups[(row.case, row.tp, row.options)].append(row)
     lines = [
-        f"<!-- written by `python -m functional_load.testing.parity --markdown ...` against vLLM {VLLM_VERSION} -->",
+        f"<!-- written by `python -m harness.parity --markdown ...` against vLLM {VLLM_VERSION} -->",
         "",
         f"**{summary}** (vLLM {VLLM_VERSION}, CPU build).",
         "",

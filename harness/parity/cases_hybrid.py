@@ -4,8 +4,8 @@ attention unless noted; MoE cases without and with expert parallelism, both plac
 
 from __future__ import annotations
 
-from ..archs_hybrid import ZAMBA2_LAYERS
-from .case import MOE, Case
+from functional_load.testing.archs_hybrid import ZAMBA2_LAYERS
+from functional_load.testing.parity.case import MOE, Case
 
 __all__ = ["CASES"]
 

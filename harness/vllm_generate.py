@@ -1,6 +1,6 @@
 """Greedy generation in real vLLM with a given load format (run with the vLLM environment's python).
 
-``python -m functional_load.testing.vllm_generate MODEL OUT.json --tp 2 --load-format functional_load
+``python -m harness.vllm_generate MODEL OUT.json --tp 2 --load-format functional_load
 --report-dir DIR`` starts ``vllm.LLM`` (float32, eager, no tokenizer), generates a few tokens
 greedily for fixed prompt token ids with their top logprobs, and writes them to ``OUT.json``.
 ``tests/test_vllm_plugin.py`` compares the ``functional_load`` load format with vLLM's default

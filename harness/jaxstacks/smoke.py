@@ -3,8 +3,8 @@ transformers, the stack's own loader, the stack's forward, and the max |logits -
 for 8 fixed token ids; also that the own loader's tree matches the abstract target leaf for leaf
 (key path, shape, dtype, sharding).
 
-    .venv-tpu-inference/bin/python -m functional_load.testing.jaxstacks.smoke tpu-inference
-    .venv-maxtext/bin/python -m functional_load.testing.jaxstacks.smoke maxtext
+    .venv-tpu-inference/bin/python -m harness.jaxstacks.smoke tpu-inference
+    .venv-maxtext/bin/python -m harness.jaxstacks.smoke maxtext
 
 The checkpoints and their transformers logits come from :mod:`.tiny`, run in the repository's
 ``.venv`` (``FUNCTIONAL_LOAD_TORCH_PYTHON`` to override), so every stack reads the same files.
@@ -30,7 +30,7 @@ from .cases import WORKERS, Case
 from .common import flatten, setup_cpu_devices
 from .tiny import reference_path
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 CASES: dict[str, list[Case]] = {
@@ -67,7 +67,7 @@ def torch_python() -> str:
 def checkpoint(arch: str, head_dim: int, workdir: Path) -> Path:
     directory = workdir / f"{arch}-hd{head_dim}"
     if not reference_path(directory).exists():
-        args = [torch_python(), "-m", "functional_load.testing.jaxstacks.tiny", arch, str(directory), "--head-dim", str(head_dim)]
+        args = [torch_python(), "-m", "harness.jaxstacks.tiny", arch, str(directory), "--head-dim", str(head_dim)]
         done = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
         if done.returncode:
             raise RuntimeError(f"`{' '.join(args)}` failed:\n{done.stderr[-3000:]}")
@@ -106,14 +106,14 @@ def run_case(worker: Any, case: Case, workdir: Path) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m functional_load.testing.jaxstacks.smoke")
+    parser = argparse.ArgumentParser(prog="python -m harness.jaxstacks.smoke")
     parser.add_argument("stack", choices=sorted(CASES))
     parser.add_argument("--workdir", help="where the tiny checkpoints go (default: a temporary directory)")
     parser.add_argument("--only", help="run the cases whose name contains this")
     parser.add_argument("--tolerance", type=float, default=1e-4)
     args = parser.parse_args(argv)
     setup_cpu_devices()
-    worker = importlib.import_module(f"functional_load.testing.jaxstacks.{WORKERS[args.stack]}")
+    worker = importlib.import_module(f"harness.jaxstacks.{WORKERS[args.stack]}")
     failed = 0
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(args.workdir or tmp)

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from .case import MOE, Case, Options
+from functional_load.testing.parity.case import MOE, Case, Options
 
 __all__ = ["CASES"]
 

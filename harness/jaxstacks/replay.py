@@ -12,7 +12,7 @@ subprocess asking XLA for 8 host devices: :func:`run_observe`), and :func:`compa
 every leaf equal to the own loader's (dtype, shape, placement, bytes), the recorded logits within
 ``TOLERANCE`` of transformers' (computed here, now), the bytes read at most 1.1 x the shards'.
 
-    python -m functional_load.testing.jaxstacks.replay --workdir DIR [--store DIR] [--case ID ...]   # observations, one JSON line each
+    python -m harness.jaxstacks.replay --workdir DIR [--store DIR] [--case ID ...]   # observations, one JSON line each
 """
 
 from __future__ import annotations
@@ -27,16 +27,17 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ...api_jax import load_jax
-from ...io import Reader, ReadOptions
-from .. import records
+from functional_load.api_jax import load_jax
+from functional_load.io import Reader, ReadOptions
+from functional_load.testing import records
+
 from . import tiny
 from .cases import MAPS, READ_BOUND, TOLERANCE, WORKERS, Case, all_cases, definition
 from .common import DEVICES, flatten, placement, setup_cpu_devices
 from .env import HERE, STACKS
 
 STORE = records.RECORDS / "jaxstacks"
-COMMAND = "python -m functional_load.testing.jaxstacks.record --refresh"
+COMMAND = "python -m harness.jaxstacks.record --refresh"
 Entries = dict[str, dict[str, Any]]
 
 
@@ -167,7 +168,7 @@ def observe(stack: str, case: Case, directory: Path, answer: Mapping[str, Any]) 
 def run_observe(workdir: Path, store: Path = STORE, cases: Sequence[str] = ()) -> list[dict[str, Any]]:
     """:func:`observe` for every case (or ``cases``) in a subprocess of this interpreter with 8
     host devices (this process may have started jax with one)."""
-    args = [sys.executable, "-m", "functional_load.testing.jaxstacks.replay", "--workdir", str(workdir), "--store", str(store)]
+    args = [sys.executable, "-m", "harness.jaxstacks.replay", "--workdir", str(workdir), "--store", str(store)]
     args += [a for name in cases for a in ("--case", name)]
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}", "JAX_PLATFORMS": "cpu"}
     done = subprocess.run(args, capture_output=True, text=True, env=env, cwd=records.ROOT, timeout=900)
@@ -179,7 +180,7 @@ def run_observe(workdir: Path, store: Path = STORE, cases: Sequence[str] = ()) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m functional_load.testing.jaxstacks.replay")
+    parser = argparse.ArgumentParser(prog="python -m harness.jaxstacks.replay")
     parser.add_argument("--workdir", required=True, help="where the tiny checkpoints are (written by the caller)")
     parser.add_argument("--store", default=str(STORE))
     parser.add_argument("--case", action="append", default=[], help="a case id (repeatable; default: every case)")

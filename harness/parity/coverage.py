@@ -13,10 +13,11 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from ...model.spec import builtin_specs
-from ...vllm_target import VLLM_VERSION
+from functional_load.model.spec import builtin_specs
+from functional_load.testing.parity.run import IDENTICAL, REFUSED_BOTH, Row
+from functional_load.vllm_target import VLLM_VERSION
+
 from .report import replace_between
-from .run import IDENTICAL, REFUSED_BOTH, Row
 
 # architectures real vLLM 0.32's CPU build cannot build: their specs are checked against vLLM's
 # source (tests/test_unjudged_specs.py), not by the parity harness
@@ -56,7 +57,7 @@ def coverage(rows: list[Row]) -> tuple[str, list[str]]:
         if all(r.outcome == REFUSED_BOTH for r in group):
             arch["refused"].add(str(tp))
     lines = [
-        f"<!-- written by `python -m functional_load.testing.parity --markdown docs/parity.md --coverage docs/coverage.md` "
+        f"<!-- written by `python -m harness.parity --markdown docs/parity.md --coverage docs/coverage.md` "
         f"against vLLM {VLLM_VERSION} -->",
         "",
         "| architecture | spec | vLLM class | tp proven | refused by both | expert parallel | quantized proven | cases |",

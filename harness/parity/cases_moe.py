@@ -3,7 +3,7 @@ case without and with expert parallelism, both placements."""
 
 from __future__ import annotations
 
-from .case import MOE, Case
+from functional_load.testing.parity.case import MOE, Case
 
 __all__ = ["CASES"]
 

@@ -225,7 +225,7 @@ def run_cli(
 
     import numpy as np
 
-    parser = argparse.ArgumentParser(prog=f"python -m functional_load.testing.jaxstacks.{name}")
+    parser = argparse.ArgumentParser(prog=f"python -m harness.jaxstacks.{name}")
     sub = parser.add_subparsers(dest="command", required=True)
     for command in ("describe", "own", "forward"):
         p = sub.add_parser(command)

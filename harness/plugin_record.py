@@ -8,13 +8,14 @@ format (and, for the GQA model at tp 2, a pre-sharded save) in real vLLM for a s
 tokens and logprobs must equal the record exactly, and each worker must have read exactly its
 planned bytes. Run with the repository's venv; vLLM's environment is built when missing.
 
-    python -m functional_load.testing.plugin_record --check | --refresh [--all] | --sample F --seed S | --run NAME
+    python -m harness.plugin_record --check | --refresh [--all] | --sample F --seed S | --run NAME
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -23,14 +24,13 @@ from pathlib import Path
 from typing import Any
 
 import functional_load as fl
-
-from . import records
-from .checkpoints import write_checkpoint
-from .parity import env
+from functional_load.testing import records
+from functional_load.testing.checkpoints import write_checkpoint
+from functional_load.testing.parity import env
 
 GENERATE = Path(__file__).with_name("vllm_generate.py")
 STORE = records.RECORDS / "vllm-generate.json"
-COMMAND = "python -m functional_load.testing.plugin_record --refresh"
+COMMAND = "python -m harness.plugin_record --refresh"
 SMALL: dict[str, Any] = {"dtype": "float32", "hidden_size": 256, "num_attention_heads": 4, "head_dim": 64, "vocab_size": 256,
          "max_position_embeddings": 128}  # vLLM's CPU attention needs head_dim 64; bf16 kernels die here
 # Expert parallelism is not run: vLLM 0.32's CPU fused-MoE kernel segfaults under EP with its own
@@ -65,11 +65,13 @@ def generate(config: str, root: Path, formats: str, reports: Path | None = None,
     """Real vLLM generates with each load format of ``formats`` (one engine each)."""
     tp = int(config.rsplit(".tp", 1)[1])
     out = root / f"{config}.json"
-    command = [str(env.ensure()), "-m", "functional_load.testing.vllm_generate", str(model_dir(config, root)), str(out),
+    command = [str(env.ensure()), "-m", "harness.vllm_generate", str(model_dir(config, root)), str(out),
                "--tp", str(tp), "--load-formats", formats]
     command += ["--report-dir", str(reports)] if reports else []
     command += ["--saved", str(saved)] if saved else []
-    done = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=1400)
+    # in the scratch directory (vLLM writes there), with the repository on the path (``harness`` is no installed package)
+    path = os.pathsep.join(p for p in (str(records.ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    done = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=1400, env={**os.environ, "PYTHONPATH": path})
     if done.returncode:
         lines = (done.stdout + done.stderr).splitlines()
         why = [line for line in lines if any(w in line for w in ("Error", "error:", "Segfault", "raise ", "assert"))]
@@ -115,7 +117,7 @@ def run_ours(config: str, root: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m functional_load.testing.plugin_record", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m harness.plugin_record", description=__doc__)
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--check", action="store_true", help="list the missing or stale recorded generations; exit 1 when any")
     mode.add_argument("--refresh", action="store_true", help="vLLM's default loader regenerates the stale ones (--all: every one)")

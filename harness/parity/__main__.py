@@ -1,4 +1,4 @@
-"""``python -m functional_load.testing.parity [NAME ...]``: one line per (case, tp, rank, options)
+"""``python -m harness.parity [NAME ...]``: one line per (case, tp, rank, options)
 and a summary; exit status 1 when any rank state differs from real vLLM's.
 
 By default vLLM's answers come from the record (``tests/oracle/vllm/``, no vLLM needed); a
@@ -18,18 +18,19 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from .. import records
-from . import env
-from .case import Case
+from functional_load.testing import records
+from functional_load.testing.parity import env
+from functional_load.testing.parity.case import Case
+from functional_load.testing.parity.record import STORE, Live, Recorded, stale_jobs, store_answers
+from functional_load.testing.parity.run import ACCEPTED, Row, case_jobs, run_parity, summary
+
 from .cases import CASES, CHECK_SPEC, RECORDED, select
 from .coverage import update_coverage
-from .record import STORE, Live, Recorded, stale_jobs, store_answers
 from .report import update
-from .run import ACCEPTED, Row, case_jobs, run_parity, summary
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m functional_load.testing.parity", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m harness.parity", description=__doc__)
     parser.add_argument("names", nargs="*", help="run only the cases whose name contains one of these")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--refresh", action="store_true", help="real vLLM recomputes the stale answers and the record is rewritten")
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
 def _check(cases: tuple[Case, ...], work: Path) -> int:
     stale = stale_jobs(case_jobs(cases, work)[1])
     if stale:
-        print(records.stale_error("vLLM parity", [j["id"] for j in stale], "python -m functional_load.testing.parity --refresh"))
+        print(records.stale_error("vLLM parity", [j["id"] for j in stale], "python -m harness.parity --refresh"))
         return 1
     print(f"every recorded vLLM parity answer is current ({len(cases)} cases)")
     return 0

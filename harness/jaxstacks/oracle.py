@@ -10,10 +10,10 @@ Prints one JSON line with the stack's versions, then one per case; exits non-zer
 fails. The checkpoints must already be in ``--workdir`` (:func:`.replay.write_checkpoints`, the
 repository's ``.venv``); nothing here writes them, and the reference logits are never read.
 
-    .venv-tpu-inference/bin/python -m functional_load.testing.jaxstacks.oracle tpu-inference --workdir DIR [--case ID ...]
-    .venv-maxtext/bin/python -m functional_load.testing.jaxstacks.oracle maxtext --workdir DIR [--case ID ...]
+    .venv-tpu-inference/bin/python -m harness.jaxstacks.oracle tpu-inference --workdir DIR [--case ID ...]
+    .venv-maxtext/bin/python -m harness.jaxstacks.oracle maxtext --workdir DIR [--case ID ...]
 
-Run by ``python -m functional_load.testing.jaxstacks.record``, which keys and stores the answers.
+Run by ``python -m harness.jaxstacks.record``, which keys and stores the answers.
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from ...api_jax import load_jax
-from .. import records
+from functional_load.api_jax import load_jax
+from functional_load.testing import records
+
 from .cases import CASES, MAPS, WORKERS, Case, case_id
 from .common import describe_target, flatten, placement, setup_cpu_devices
 
@@ -75,13 +76,13 @@ def answer(stack: str, worker: Any, case: Case, directory: Path) -> dict[str, An
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m functional_load.testing.jaxstacks.oracle")
+    parser = argparse.ArgumentParser(prog="python -m harness.jaxstacks.oracle")
     parser.add_argument("stack", choices=sorted(CASES))
     parser.add_argument("--workdir", required=True, help="where the tiny checkpoints are (<arch>-hd<head_dim>)")
     parser.add_argument("--case", action="append", default=[], help="a case id to answer (repeatable; default: every case)")
     args = parser.parse_args(argv)
     setup_cpu_devices()
-    worker = importlib.import_module(f"functional_load.testing.jaxstacks.{WORKERS[args.stack]}")
+    worker = importlib.import_module(f"harness.jaxstacks.{WORKERS[args.stack]}")
     print(json.dumps({"versions": versions(args.stack)}), flush=True)
     failed = 0
     for case in CASES[args.stack]:

@@ -10,8 +10,8 @@ Python version and the hash of the requirement list; an environment without a ma
 rebuilt from scratch. Each step is logged to ``<venv>-setup.log``; a failed step raises
 :class:`SetupError` with the log's tail. Nothing is ever skipped.
 
-    python -m functional_load.testing.jaxstacks.env                  # both
-    python -m functional_load.testing.jaxstacks.env tpu-inference    # one
+    python -m harness.jaxstacks.env                  # both
+    python -m harness.jaxstacks.env tpu-inference    # one
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[2]
+ROOT = HERE.parents[1]
 MARKER = "functional_load-jaxstack.json"
 PIP = "pip==26.3"
 RUNTIME = ("safetensors", "einops", "ml_dtypes", "numpy", "tqdm", "huggingface_hub")  # functional_load's, less torch

@@ -7,7 +7,7 @@ Each family's cases are named ``<family>-...``; the configurations vLLM refuses 
 
 from __future__ import annotations
 
-from .case import Case
+from functional_load.testing.parity.case import Case
 
 __all__ = ["CASES"]
 

@@ -11,7 +11,7 @@ harness.
 
 from __future__ import annotations
 
-from .case import DENSE, MOE, Case, Options, check_case
+from functional_load.testing.parity.case import DENSE, MOE, Case, Options, check_case
 
 __all__ = ["CASES", "CHECK_SPEC", "RECORDED", "Case", "Options", "select"]
 

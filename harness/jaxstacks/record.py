@@ -1,8 +1,8 @@
 """Record, check or sample the JAX stacks' answers (``tests/oracle/jaxstacks/<stack>.json``).
 
-    python -m functional_load.testing.jaxstacks.record --check                  # list stale or missing answers, exit 1 if any
-    python -m functional_load.testing.jaxstacks.record --refresh [--all]        # recompute the stale ones (or all), rewrite
-    python -m functional_load.testing.jaxstacks.record --sample 0.2 --seed SHA  # recompute a sample, fail if one differs
+    python -m harness.jaxstacks.record --check                  # list stale or missing answers, exit 1 if any
+    python -m harness.jaxstacks.record --refresh [--all]        # recompute the stale ones (or all), rewrite
+    python -m harness.jaxstacks.record --sample 0.2 --seed SHA  # recompute a sample, fail if one differs
 
 ``--check`` needs no stack environment (seconds); ``--refresh`` and ``--sample`` run the real stacks
 (about 2 minutes for every case on 2 cores) and write nothing else than the record files
@@ -28,7 +28,8 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
-from .. import records
+from functional_load.testing import records
+
 from . import env, replay
 from .cases import CASES, all_cases
 
@@ -74,7 +75,7 @@ def ask_stack(stack: str, ids: Sequence[str], workdir: Path) -> list[dict[str, A
     case it printed nothing for is a failed one."""
     python = env.ensure(stack)
     start = time.perf_counter()
-    args = [str(python), "-m", "functional_load.testing.jaxstacks.oracle", stack, "--workdir", str(workdir)]
+    args = [str(python), "-m", "harness.jaxstacks.oracle", stack, "--workdir", str(workdir)]
     done = subprocess.run(args + [a for name in ids for a in ("--case", name)], capture_output=True, text=True, cwd=env.ROOT)
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     if not any("versions" in r for r in rows):
@@ -126,7 +127,7 @@ def sample(fraction: float, seed: str, workdir: Path, store: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m functional_load.testing.jaxstacks.record")
+    parser = argparse.ArgumentParser(prog="python -m harness.jaxstacks.record")
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--check", action="store_true", help="list stale or missing answers; exit 1 when there are any")
     mode.add_argument("--refresh", action="store_true", help="recompute the stale answers with the real stacks")
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(ids) if ids else "every JAX-stack answer is current")
             return 1 if args.check and ids else 0
         answers, versions, current = ask(ids, workdir)
-        command = "python -m functional_load.testing.jaxstacks.record --refresh" + (" --all" if args.all else "")
+        command = "python -m harness.jaxstacks.record --refresh" + (" --all" if args.all else "")
         store_answers(answers, versions, current, store, command)
         print(f"recorded {len(answers)} answers in {store}")
         return 0

@@ -1,7 +1,7 @@
 """Tiny float32 transformers checkpoints for the JAX-stack runs, and their reference logits.
 
 Needs torch and transformers (the repository's ``.venv`` has both: the stacks' checks and the
-recorder ask it to write the checkpoints, ``python -m functional_load.testing.jaxstacks.tiny ARCH DIR
+recorder ask it to write the checkpoints, ``python -m harness.jaxstacks.tiny ARCH DIR
 [--head-dim N]``, so every stack reads the same files).
 
 Sizes: 2 layers, hidden 64, 4 attention heads, 2 KV heads, intermediate 128, vocab 256, RoPE theta
@@ -90,7 +90,7 @@ def write(arch: str, directory: str | Path, head_dim: int = 16, seed: int = 0) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m functional_load.testing.jaxstacks.tiny")
+    parser = argparse.ArgumentParser(prog="python -m harness.jaxstacks.tiny")
     parser.add_argument("arch", choices=sorted(ARCHS))
     parser.add_argument("directory")
     parser.add_argument("--head-dim", type=int, default=16)

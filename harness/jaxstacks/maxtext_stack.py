@@ -2,7 +2,7 @@
 tree with its own logical-axis shardings, its own HF loader (``to_maxtext`` conversion to Orbax,
 then an Orbax restore) and its forward pass, on CPU devices.
 
-Runs inside ``.venv-maxtext`` (``python -m functional_load.testing.jaxstacks.env maxtext``).
+Runs inside ``.venv-maxtext`` (``python -m harness.jaxstacks.env maxtext``).
 Import this module before jax is imported (it asks XLA for 8 host devices).
 
 * Config: MaxText never reads ``config.json``. :func:`overrides` turns it into MaxText's own

@@ -93,13 +93,13 @@ def load(checkpoint_dir: str | Path, target: Mapping[str, jax.ShapeDtypeStruct],
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m functional_load.testing.jaxstacks.orbax_safetensors CKPT [--mesh data=2,model=4 --axis model]``:
+    """``python -m harness.jaxstacks.orbax_safetensors CKPT [--mesh data=2,model=4 --axis model]``:
     loads every tensor row-sharded, checks it against the file, prints the read counters."""
     import argparse
 
     from safetensors.numpy import load_file
 
-    parser = argparse.ArgumentParser(prog="python -m functional_load.testing.jaxstacks.orbax_safetensors")
+    parser = argparse.ArgumentParser(prog="python -m harness.jaxstacks.orbax_safetensors")
     parser.add_argument("checkpoint")
     parser.add_argument("--mesh", type=parse_mesh, default={"data": 2, "model": 4})
     parser.add_argument("--axis", default="model")

@@ -1,7 +1,7 @@
 """tpu-inference (vLLM's JAX backend) as a test oracle: its flax NNX models, their abstract
 parameter trees, its own weight loaders and its forward pass, on CPU devices.
 
-Runs inside ``.venv-tpu-inference`` (``python -m functional_load.testing.jaxstacks.env
+Runs inside ``.venv-tpu-inference`` (``python -m harness.jaxstacks.env
 tpu-inference``). Import this module before jax is imported (it asks XLA for 8 host devices).
 
 * The model is built as ``tpu_inference.models.common.model_loader._get_nnx_model`` builds it:

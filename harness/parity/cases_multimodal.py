@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..files import read_checkpoint_tensors, write_shards
-from .case import MOE, Case, Options
+from functional_load.testing.files import read_checkpoint_tensors, write_shards
+from functional_load.testing.parity.case import MOE, Case, Options
 
 __all__ = ["CASES"]
 
