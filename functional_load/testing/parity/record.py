@@ -155,16 +155,11 @@ class Recorded:
     store: Path = STORE
 
     def answers(self, jobs: Sequence[Job], work: Path) -> dict[str, Answer]:
-        found, stale = {}, []
-        for job in jobs:
-            entry = load_entries(self.store, job["case"]).get(job["id"])
-            if entry is None or entry["key"] != job_key(job):
-                stale.append(job["id"])
-            else:
-                found[job["id"]] = entry["answer"]
+        stale = stale_jobs(jobs, self.store)
         if stale:
-            raise records.stale_error("vLLM parity", stale, COMMAND)
-        return found
+            raise records.stale_error("vLLM parity", [j["id"] for j in stale], COMMAND)
+        entries = _entries(jobs, self.store)
+        return {j["id"]: entries[j["id"]]["answer"] for j in jobs}
 
 
 def load_entries(store: Path, case: str) -> dict[str, Any]:
@@ -172,8 +167,16 @@ def load_entries(store: Path, case: str) -> dict[str, Any]:
     return entries
 
 
+def _entries(jobs: Sequence[Job], store: Path) -> dict[str, Any]:
+    """The recorded entry of each job (each case's file read once)."""
+    by_case = {case: load_entries(store, case) for case in {j["case"] for j in jobs}}
+    return {j["id"]: by_case[j["case"]].get(j["id"], {}) for j in jobs}
+
+
 def stale_jobs(jobs: Sequence[Job], store: Path = STORE) -> list[Job]:
-    return [j for j in jobs if load_entries(store, j["case"]).get(j["id"], {}).get("key") != job_key(j)]
+    """The jobs whose recorded answer is missing or keyed otherwise than their inputs now."""
+    entries = _entries(jobs, store)
+    return [j for j in jobs if entries[j["id"]].get("key") != job_key(j)]
 
 
 def store_answers(jobs: Sequence[Job], answers: Mapping[str, Answer], store: Path = STORE) -> None:
