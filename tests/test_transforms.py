@@ -319,6 +319,40 @@ def test_block_error_within_rounding_bound(shape) -> None:
     assert np.max(error / bound) > 0.5
 
 
+def _bits32(x: Any) -> np.ndarray:
+    return np.asarray(x, dtype=np.float32).view(np.uint32)
+
+
+def test_divide_is_correctly_rounded() -> None:
+    """``divide`` equals IEEE float32 division bit for bit (numpy's, as torch and vLLM's CUDA
+    kernels divide) over random significands and exponents, exact quotients, ties, the FP8 scale
+    ``amax / 448``, reciprocals, and the special values left to the hardware."""
+    rng = np.random.default_rng(7)
+    n = 200_000
+
+    def floats(lo: int, hi: int) -> np.ndarray:
+        bits = rng.integers(0, 1 << 23, n, dtype=np.uint32) | (rng.integers(lo, hi, n, dtype=np.uint32) << 23)
+        return np.where(rng.random(n) < 0.2, bits | (1 << 31), bits).astype(np.uint32).view(np.float32)
+
+    a, b = floats(70, 180), floats(70, 180)  # normal quotients (XLA flushes subnormal ones to zero)
+    whole = rng.integers(1, 1 << 12, n).astype(np.float32)
+    cases = [
+        (a, b),
+        (b * whole, b),  # exact quotients
+        (np.abs(a), np.float32(448.0)),
+        (np.float32(1.0), np.abs(b)),
+        (np.float32([0.0, -0.0, 1.0, np.inf, 3.0, 1e38, np.nan]), np.float32([3.0, 2.0, 0.0, 2.0, np.inf, 1e-3, 1.0])),
+    ]
+    for x, y in cases:
+        with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+            want = np.divide(x, y)
+        got = np.asarray(jax.jit(transforms.divide)(jnp.asarray(x), jnp.asarray(y)))
+        same = (_bits32(got) == _bits32(want)) | (np.isnan(got) & np.isnan(want))
+        assert same.all(), (np.asarray(x).reshape(-1)[:3], got[~same][:3], want[~same][:3])
+    # the rounding itself is checked: a quotient truncated instead of rounded is one ulp off here
+    assert _bits32(transforms.divide(np.float32(2.0), np.float32(3.0))) == _bits32(np.float32(2.0) / np.float32(3.0)) == 0x3F2AAAAB
+
+
 def test_transpose() -> None:
     x = random_fp8(np.random.default_rng(0), (48, 80))
     out = transforms.transpose(jnp.asarray(x))

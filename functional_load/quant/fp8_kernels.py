@@ -9,6 +9,8 @@ Bit-level conventions follow vLLM (``w8a8_utils``, ``fp8_utils``):
 * dequantize for requantization: ``round_f16(f32(q) * scale)`` (vLLM's ``per_tensor_dequantize``
   multiplies an fp16 copy by the fp32 scale);
 * static quantization: ``fp8(clamp(f32(x) * (1 / scale), -max, max))`` with round-to-nearest-even;
+* every division is correctly rounded on every backend (:func:`divide`): XLA's float32 division
+  on NVIDIA GPUs is ``div.full.f32``, one ulp off for about a quarter of all quotients;
 * FNUZ: byte 0x80 (-0 in e4m3fn, NaN in e4m3fnuz) becomes 0x00, the bits are reinterpreted
   (each value halves) and the scales double; e8m0 block scales get exponent + 1, at most 254.
 """
@@ -22,19 +24,54 @@ import jax.numpy as jnp
 
 FP8_MAX = 448.0  # float8_e4m3fn
 FP8_FNUZ_MAX = 224.0  # vLLM quantizes to +-224 on FNUZ platforms (the format's max is 240)
+_SIGN, _FRACTION, _HIDDEN = -(1 << 31), (1 << 23) - 1, 1 << 23
+
+
+def divide(a: jax.Array, b: jax.Array) -> jax.Array:
+    """``a / b`` in float32, rounded to nearest even as IEEE 754 (and torch, and vLLM's CUDA
+    kernels) round it, on every backend. XLA lowers a float32 division on NVIDIA GPUs to
+    ``div.full.f32`` (openxla/xla#37181: one ulp off for about a quarter of all quotients) and
+    rewrites a division by a constant into a multiplication by its inexact reciprocal; a scale
+    one ulp off vLLM's changes the FP8 values it quantizes. So the significands are divided as
+    integers (24 quotient bits, a guard bit and a sticky remainder). Zeros, subnormals,
+    infinities, NaNs and quotients outside the normal range take the backend's division (XLA
+    flushes subnormal results to zero)."""
+    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    ia, ib = jax.lax.bitcast_convert_type(a, jnp.int32), jax.lax.bitcast_convert_type(b, jnp.int32)
+    ea, eb = (ia >> 23) & 0xFF, (ib >> 23) & 0xFF
+    ma, mb = (ia & _FRACTION) | _HIDDEN, (ib & _FRACTION) | _HIDDEN
+    low = (ma < mb).astype(jnp.int32)  # the quotient of the significands is below 1: one bit more
+    rest, quotient = (ma << low) - mb, jnp.ones_like(ma)  # (ma << low) / mb is in [1, 2)
+    for _ in range(24):  # 23 fraction bits and a guard bit; the remainder stays below 2**25
+        rest = rest << 1
+        bit = (rest >= mb).astype(jnp.int32)
+        rest, quotient = rest - bit * mb, (quotient << 1) | bit
+    significand = quotient >> 1
+    significand = significand + ((quotient & 1) & ((rest != 0) | (significand & 1)).astype(jnp.int32))
+    exponent = ea - eb + 127 - low + (significand >> 24)
+    significand = jnp.where(significand >> 24 == 1, significand >> 1, significand)
+    bits = ((ia ^ ib) & _SIGN) | (exponent << 23) | (significand & _FRACTION)
+    exact = jax.lax.bitcast_convert_type(bits, jnp.float32)
+    normal = (ea > 0) & (ea < 255) & (eb > 0) & (eb < 255) & (exponent >= 1) & (exponent <= 254)
+    return jnp.where(normal, exact, a / b)
 
 
 @jax.jit
 def dequantize_fp8_f16(q: jax.Array, scale: jax.Array) -> jax.Array:
-    """vLLM ``per_tensor_dequantize``: the fp16 product of the fp8 values and a scalar scale."""
-    return (q.astype(jnp.float32) * scale.astype(jnp.float32)).astype(jnp.float16)
+    """vLLM ``per_tensor_dequantize``: the fp16 product of the fp8 values and a scalar scale.
+
+    The barrier keeps the fp16 rounding when a caller computes on: XLA allows itself excess
+    precision by default (``xla_allow_excess_precision``) and on GPUs drops a float32 -> float16
+    -> float32 round trip inside a fusion, which moved 0.5-14 % of requantized FP8 values by one
+    step on an H200."""
+    return jax.lax.optimization_barrier((q.astype(jnp.float32) * scale.astype(jnp.float32)).astype(jnp.float16))
 
 
 @partial(jax.jit, static_argnames=("fnuz",))
 def quantize_fp8_static(x: jax.Array, scale: jax.Array, fnuz: bool = False) -> jax.Array:
     """vLLM static ``scaled_fp8_quant``: multiply by the reciprocal scale, clamp, round to fp8
     (e4m3fn, or e4m3fnuz clamped to +-224 as vLLM does on ROCm)."""
-    inverse = jnp.float32(1.0) / scale.astype(jnp.float32)
+    inverse = divide(jnp.float32(1.0), scale)
     limit, dtype = (FP8_FNUZ_MAX, jnp.float8_e4m3fnuz) if fnuz else (FP8_MAX, jnp.float8_e4m3fn)
     return jnp.clip(x.astype(jnp.float32) * inverse, -limit, limit).astype(dtype)
 
@@ -91,11 +128,8 @@ def e8m0_scales_to_fnuz(scales: jax.Array) -> jax.Array:
 
 
 def _amax_scale(amax: jax.Array) -> jax.Array:
-    """``amax / 448`` correctly rounded (1.0 where ``amax`` is 0). XLA rewrites a division by a
-    constant into a multiplication by its reciprocal, and 1/448 is inexact: about half of all
-    scales would come out one ulp off vLLM's ``amax / fp8_max``. The barrier keeps a true division."""
-    divisor = jax.lax.optimization_barrier(jnp.full(amax.shape, FP8_MAX, jnp.float32))
-    return jnp.where(amax > 0, amax / divisor, jnp.float32(1.0))
+    """vLLM's ``amax / fp8_max``, correctly rounded (:func:`divide`); 1.0 where ``amax`` is 0."""
+    return jnp.where(amax > 0, divide(amax, jnp.float32(FP8_MAX)), jnp.float32(1.0))
 
 
 @jax.jit
@@ -117,8 +151,8 @@ def quantize_fp8_block(weight: jax.Array, block: tuple[int, int] = (128, 128)) -
     tiles = padded.reshape(nr, bn, nc, bk)
     amax = jnp.max(jnp.abs(tiles), axis=(1, 3))
     scales = _amax_scale(amax)
-    expanded = jnp.repeat(jnp.repeat(scales, bn, axis=0), bk, axis=1)[:rows, :cols]
-    quantized = jnp.clip(weight.astype(jnp.float32) * (jnp.float32(1.0) / expanded), -FP8_MAX, FP8_MAX)
+    inverse = jnp.repeat(jnp.repeat(divide(jnp.float32(1.0), scales), bn, axis=0), bk, axis=1)[:rows, :cols]
+    quantized = jnp.clip(weight.astype(jnp.float32) * inverse, -FP8_MAX, FP8_MAX)
     return quantized.astype(jnp.float8_e4m3fn), scales
 
 
