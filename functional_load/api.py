@@ -32,6 +32,7 @@ from .output.state import LoadedState, check_device, to_device
 from .plan import Plan, make_plan
 from .plan.dummy import dummy_plan
 from .quant import online_quant_config, parse_quant_config
+from .storage import StoredPath, as_path, is_local
 from .transform.online import is_online_weight, quantize_online
 from .transform.targets import apply_target, check_target
 
@@ -40,12 +41,15 @@ Model = str | Path | os.PathLike[str]
 
 def resolve_model_dir(
     model: Model, revision: str | None = None, load_format: str = "auto", allow_pickle: bool = False, weights: bool = True
-) -> Path:
-    """The local model directory ``model`` names: a directory (or its ``config.json``) as it is, or
-    the snapshot of a Hugging Face Hub repo id (``org/name``) or cache folder (``models--org--name``)
-    at ``revision``, with the files a load with ``load_format`` reads downloaded unless
-    ``HF_HUB_OFFLINE`` is set (``weights=False``: the config and index only; see
+) -> StoredPath:
+    """The model directory ``model`` names: a directory (or its ``config.json``) as it is, a
+    directory of a registered storage (``scheme://bucket/prefix``, :mod:`functional_load.storage`),
+    or the snapshot of a Hugging Face Hub repo id (``org/name``) or cache folder
+    (``models--org--name``) at ``revision``, with the files a load with ``load_format`` reads
+    downloaded unless ``HF_HUB_OFFLINE`` is set (``weights=False``: the config and index only; see
     :mod:`functional_load.checkpoint.hub`)."""
+    if not is_local(stored := as_path(model)):
+        return model_directory(stored)
     return model_directory(resolve_model(model, revision=revision, load_format=load_format, allow_pickle=allow_pickle, weights=weights))
 
 
@@ -90,7 +94,7 @@ def layout(
     return _layout(config, parallel, model_dtype(opts.dtype, config, weights, where), opts)
 
 
-def weight_dtypes(directory: Path, config: Mapping[str, Any]) -> tuple[str, ...]:
+def weight_dtypes(directory: StoredPath, config: Mapping[str, Any]) -> tuple[str, ...]:
     """The weights' dtypes, from the headers, when the config names no dtype (the dtype rule
     falls back to them, as ``plan`` does)."""
     if declared_dtype(config) is not None:
@@ -109,7 +113,7 @@ def _weight_codes(checkpoint: Checkpoint) -> Iterator[str]:
     yield from checkpoint.dtypes().values()
 
 
-def _checkpoint(directory: Path, manifest: Mapping[str, Any] | None, rank: int, load_format: str, allow_pickle: bool) -> Checkpoint:
+def _checkpoint(directory: StoredPath, manifest: Mapping[str, Any] | None, rank: int, load_format: str, allow_pickle: bool) -> Checkpoint:
     if manifest is not None:  # a pre-sharded save: its virtual original checkpoint
         return sharded_checkpoint(directory, manifest, rank)
     return index_checkpoint(discover(directory, load_format), allow_pickle=allow_pickle)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import gc
 import math
-import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -27,31 +26,18 @@ from ..dtypes import itemsize
 from ..errors import FormatError
 from ..layout.segments import Box
 from ..model.mapping import MappingTable
-
-
-@dataclass(frozen=True, slots=True)
-class FileStamp:
-    """Identity of a file's contents as far as ``stat`` can tell: a file replaced, rewritten or
-    truncated after indexing no longer matches."""
-
-    size: int
-    mtime_ns: int
-    inode: int
-    device: int
-
-    @classmethod
-    def of(cls, st: os.stat_result) -> FileStamp:
-        return cls(st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+from ..storage import FileStamp as FileStamp  # re-exported: a file's identity
+from ..storage import Stamp, StoredPath
 
 
 @dataclass(frozen=True, slots=True)
 class FileSpan:
     """The tensor's bytes are ``nbytes`` bytes of ``file`` from absolute ``offset`` (row-major)."""
 
-    file: Path
+    file: StoredPath
     offset: int
     nbytes: int
-    stamp: FileStamp | None = None  # the file as it was indexed; readers refuse a changed file
+    stamp: Stamp | None = None  # the file as it was indexed; readers refuse a changed file
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,12 +52,12 @@ class RankFiles:
     """The headers of a pre-sharded save's rank files, read on first use (a rank that keeps only
     its own boxes never opens another rank's file) and then kept."""
 
-    def __init__(self, read_header: Callable[[Path], Mapping[str, TensorInfo]], known: Mapping[Path, Mapping[str, TensorInfo]]):
+    def __init__(self, read_header: Callable[[StoredPath], Mapping[str, TensorInfo]], known: Mapping[StoredPath, Mapping[str, TensorInfo]]):
         self._read = read_header
         self._headers = dict(known)
         self._lock = threading.Lock()
 
-    def info(self, file: Path, name: str) -> TensorInfo:
+    def info(self, file: StoredPath, name: str) -> TensorInfo:
         with self._lock:
             if file not in self._headers:
                 self._headers[file] = self._read(file)
@@ -80,7 +66,7 @@ class RankFiles:
             raise FormatError(f"{file}: has no tensor {name!r}, which the manifest lists")
         return header[name]
 
-    def opened(self, file: Path) -> bool:
+    def opened(self, file: StoredPath) -> bool:
         """Whether ``file``'s header was read (its data may have been)."""
         with self._lock:
             return file in self._headers
@@ -94,7 +80,7 @@ class SavedPiece:
     src: Box
     dst: Box
     transpose: bool
-    file: Path
+    file: StoredPath
     name: str
     headers: RankFiles = field(compare=False, repr=False)
 
@@ -110,7 +96,7 @@ class SavedBoxes:
     the preferred rank's first."""
 
     pieces: tuple[SavedPiece, ...]
-    manifest: Path
+    manifest: StoredPath
 
 
 Location = FileSpan | PickleEntry | SavedBoxes
@@ -130,7 +116,7 @@ class TensorInfo:
         return math.prod(self.shape) * itemsize(self.dtype)
 
     @property
-    def file(self) -> Path:
+    def file(self) -> StoredPath:
         """The file that holds the tensor (the manifest, for a tensor of a pre-sharded save)."""
         location = self.location
         return location.manifest if isinstance(location, SavedBoxes) else location.file
@@ -173,7 +159,7 @@ _SET_SPAN = tuple(vars(FileSpan)[f].__set__ for f in ("file", "offset", "nbytes"
 _SET_INFO = tuple(vars(TensorInfo)[f].__set__ for f in ("name", "dtype", "shape", "location"))
 
 
-def span_info(name: str, dtype: str, shape: tuple[int, ...], file: Path, offset: int, nbytes: int, stamp: FileStamp) -> TensorInfo:
+def span_info(name: str, dtype: str, shape: tuple[int, ...], file: StoredPath, offset: int, nbytes: int, stamp: Stamp) -> TensorInfo:
     """``TensorInfo(name, dtype, shape, FileSpan(file, offset, nbytes, stamp))``, built through the
     slots directly: a frozen dataclass's ``__init__`` costs three times as much, which counts
     at 90,000 tensors (neither class has a ``__post_init__``; the values are equal)."""
@@ -208,13 +194,13 @@ class Checkpoint:
     weights quantized while loading, which reloads only at its saved layout).
     """
 
-    directory: Path
+    directory: StoredPath
     load_format: str  # resolved load format: "hf", "safetensors", "mistral", "pt" or "sharded"
-    files: tuple[Path, ...]  # weight files in load order (natural sort)
+    files: tuple[StoredPath, ...]  # weight files in load order (natural sort)
     tensors: Mapping[str, TensorInfo]
-    index_file: Path | None = None
+    index_file: StoredPath | None = None
     rank_local: bool = False
-    checksums: Mapping[Path, str] = field(default_factory=dict)  # file -> SHA-256 where recorded (a save's manifest)
+    checksums: Mapping[StoredPath, str] = field(default_factory=dict)  # file -> SHA-256 where recorded (a save's manifest)
     # name tables of how the checkpoint is stored, applied before the layout's (Mistral's own names)
     renames: tuple[MappingTable, ...] = ()
 

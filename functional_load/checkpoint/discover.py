@@ -1,21 +1,20 @@
-"""Which weight files a local checkpoint directory holds, with vLLM's ``_prepare_weights`` rules.
+"""Which weight files a checkpoint directory holds, with vLLM's ``_prepare_weights`` rules.
 
-Pure file-name logic: nothing here reads tensor data, and nothing touches the network or the hub.
+File-name logic over the directory's storage (:mod:`functional_load.storage`): nothing here reads
+tensor data, and nothing touches the Hugging Face Hub.
 """
 
 from __future__ import annotations
 
-import glob
 import os
 import re
-import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from types import MappingProxyType
 
 from ..errors import CheckpointError, ConfigError, FormatError, MissingFileError, SecurityError
-from ..paths import check_contained, strict_json_loads
+from ..paths import strict_json_loads
+from ..storage import StoredPath, as_path, read_all, storage_for
 
 __all__ = ["LOAD_FORMATS", "WeightFiles", "discover", "natural_sort_key"]
 
@@ -38,11 +37,11 @@ TRAINING_FILE_SUFFIXES = ("training_args.bin", "optimizer.bin", "optimizer.pt", 
 class WeightFiles:
     """The weight files to load and, for sharded safetensors, the index that maps tensors to them."""
 
-    directory: Path
+    directory: StoredPath
     load_format: str  # resolved: "hf", "safetensors", "mistral" or "pt"
     kind: str  # "safetensors" or "pickle"
-    files: tuple[Path, ...]  # natural-sorted by basename
-    index_file: Path | None
+    files: tuple[StoredPath, ...]  # natural-sorted by basename
+    index_file: StoredPath | None
     weight_map: Mapping[str, str] | None  # tensor name -> shard basename, from index_file
 
 
@@ -51,37 +50,13 @@ def natural_sort_key(name: str) -> tuple[str | int, ...]:
     return tuple(int(part) if i % 2 else part for i, part in enumerate(re.split(r"(\d+)", name)))
 
 
-def _glob(directory: Path, pattern: str) -> list[Path]:
-    """Regular files (symlinks followed, but contained) matching ``pattern``; directories are
-    skipped, other kinds rejected before anything opens them."""
-    found = []
-    for text in glob.glob(os.path.join(glob.escape(str(directory)), pattern)):
-        path = Path(text)
-        try:
-            mode = os.stat(path).st_mode
-        except FileNotFoundError as exc:
-            raise MissingFileError(f"Weight file {str(path)!r} is a broken symlink; fix or remove it") from exc
-        except OSError as exc:  # a symlink loop
-            raise SecurityError(f"Weight file {str(path)!r} cannot be resolved ({exc.strerror}); remove it") from exc
-        if stat.S_ISDIR(mode):
-            continue
-        if not stat.S_ISREG(mode):
-            raise SecurityError(
-                f"Weight file {str(path)!r} is not a regular file (a FIFO, socket or device), which could block or "
-                "feed endless data; replace it with the real file"
-            )
-        check_contained(path, directory)
-        found.append(path)
-    return found
-
-
 def _plain_file_name(shard: str) -> bool:
     return bool(shard) and not os.path.isabs(shard) and "/" not in shard and "\\" not in shard and ".." not in shard
 
 
-def _read_weight_map(index_file: Path) -> dict[str, str]:
+def _read_weight_map(index_file: StoredPath) -> dict[str, str]:
     what = str(index_file)
-    data = strict_json_loads(index_file.read_bytes(), what)
+    data = strict_json_loads(read_all(index_file, "an index"), what)
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise FormatError(f"{what}: expected a JSON object with a non-empty 'weight_map' object, found {data!r:.200}")
@@ -102,30 +77,31 @@ def _read_weight_map(index_file: Path) -> dict[str, str]:
 LOAD_FORMATS = ("auto", "hf", "safetensors", "mistral", "pt")
 
 
-def checkpoint_format(directory: Path, load_format: str = "auto") -> str:
+def checkpoint_format(directory: StoredPath, load_format: str = "auto") -> str:
     """The weight format a load of ``directory`` uses, as vLLM 0.32 decides it: ``"auto"`` picks
     Mistral's own format when any ``consolidated*.safetensors`` is there, else ``"hf"``."""
     if not isinstance(load_format, str) or load_format.lower() not in LOAD_FORMATS:
         raise ConfigError(f"Unknown load_format {load_format!r}; use one of {', '.join(LOAD_FORMATS)} (or 'dummy' for plan/load)")
     fmt = load_format.lower()
     if fmt == "auto":
-        return "mistral" if any(directory.glob("consolidated*.safetensors")) else "hf"
+        return "mistral" if storage_for(directory).list_files(directory, "consolidated*.safetensors") else "hf"
     return fmt
 
 
-def discover(model_dir: str | os.PathLike, load_format: str = "auto") -> WeightFiles:
-    """The weight files vLLM would load from local ``model_dir`` for ``load_format``.
+def discover(model_dir: str | os.PathLike[str] | StoredPath, load_format: str = "auto") -> WeightFiles:
+    """The weight files vLLM would load from ``model_dir`` for ``load_format``.
 
     The first pattern that yields files wins (safetensors > bin > pt); a safetensors index, when
     present, restricts the files to those it names; trainer pickles are dropped.
     """
-    directory = Path(model_dir)
-    if not directory.is_dir():
+    directory = as_path(model_dir)
+    storage = storage_for(directory)
+    if storage.kind(directory) != "directory":
         raise MissingFileError(f"Checkpoint directory {str(directory)!r} does not exist or is not a directory")
     fmt = checkpoint_format(directory, load_format)
     patterns = PATTERNS[fmt]
     for pattern in patterns:
-        files = [p for p in _glob(directory, pattern) if not p.name.endswith(TRAINING_FILE_SUFFIXES)]
+        files = [p for p in storage.list_files(directory, pattern) if not p.name.endswith(TRAINING_FILE_SUFFIXES)]
         if fmt != "mistral" and any(not p.name.startswith("consolidated") for p in files):
             files = [p for p in files if not p.name.startswith("consolidated")]  # Mistral's own copy of the same weights
         if files:
@@ -140,9 +116,9 @@ def discover(model_dir: str | os.PathLike, load_format: str = "auto") -> WeightF
         return WeightFiles(directory, fmt, "pickle", tuple(files), None, None)
 
     index_file = directory / (MISTRAL_INDEX if fmt == "mistral" else HF_INDEX)
-    if not index_file.is_file():
+    if storage.kind(index_file) != "file":
         return WeightFiles(directory, fmt, "safetensors", tuple(files), None, None)
-    check_contained(index_file, directory, "Index file")
+    storage.contained(index_file, directory, "Index file")
     weight_map = _read_weight_map(index_file)
     named = set(weight_map.values())
     missing = sorted(named - {p.name for p in files}, key=natural_sort_key)

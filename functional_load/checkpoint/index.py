@@ -1,22 +1,22 @@
 """Safetensors headers -> :class:`TensorInfo`, validated, without reading any tensor data.
 
-Headers are read with ``os.pread`` of exactly the header bytes (never mmap, never the safetensors
-library) so indexing a multi-terabyte checkpoint costs a few kilobytes of I/O per shard, and every
-offset a reader will later ``pread`` has been checked against the file size here, once.
+Headers are read through the file's storage (:mod:`functional_load.storage`; ``os.pread``
+locally) as exactly the header bytes (never mmap, never the safetensors library), so indexing a
+multi-terabyte checkpoint costs a few kilobytes of I/O per shard, and every offset a reader will
+later read has been checked against the file size here, once.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-from pathlib import Path
 from typing import Any, cast
 
 from ..dtypes import SAFETENSORS_DTYPES, itemsize
 from ..errors import CheckpointError, FormatError, IntegrityError, SecurityError
 from ..paths import strict_json_loads
-from . import Checkpoint, FileSpan, FileStamp, TensorInfo, paused_gc, span_info
+from ..storage import FileStamp, Stamp, StoredPath, as_path, storage_for
+from . import Checkpoint, FileSpan, TensorInfo, paused_gc, span_info
 from .discover import WeightFiles
 from .lazy import MAX_NAME_LENGTH, Header, LazyTensors, tiles
 from .mistral import MISTRAL_NAMES
@@ -29,22 +29,11 @@ _LONG_DIGITS = b"0" * 20  # a run of 20 digits: an integer literal that may not 
 _ITEMSIZE = {code: itemsize(code) for code in SAFETENSORS_DTYPES}
 
 
-def _pread_exact(fd: int, size: int, offset: int) -> bytes:
-    chunks, done = [], 0
-    while done < size:
-        chunk = os.pread(fd, size - done, offset + done)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        done += len(chunk)
-    return b"".join(chunks)
-
-
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _parse_entry(path: Path, name: str, entry: Any, data_start: int, file_size: int, stamp: FileStamp) -> TensorInfo:
+def _parse_entry(path: StoredPath, name: str, entry: Any, data_start: int, file_size: int, stamp: Stamp) -> TensorInfo:
     where = f"{path}: tensor {name!r}"
     if not isinstance(entry, dict):
         raise FormatError(f"{where}: expected an object with dtype/shape/data_offsets, found {entry!r:.200}")
@@ -75,7 +64,7 @@ def _parse_entry(path: Path, name: str, entry: Any, data_start: int, file_size: 
     return TensorInfo(name, dtype, tuple(shape), FileSpan(path, data_start + begin, end - begin, stamp))
 
 
-def _fast_entry(path: Path, name: str, entry: Any, data_start: int, file_size: int, stamp: FileStamp) -> TensorInfo | None:
+def _fast_entry(path: StoredPath, name: str, entry: Any, data_start: int, file_size: int, stamp: Stamp) -> TensorInfo | None:
     """The entry of a well-formed header, or None: then :func:`_parse_entry` checks it in full
     (and names the problem). Accepts exactly what ``_parse_entry`` accepts."""
     if type(entry) is not dict or len(entry) != 3:
@@ -110,23 +99,23 @@ def _span(info: TensorInfo) -> FileSpan:
     return info.location
 
 
-def _raw_header(path: Path) -> tuple[bytes, str, int, FileStamp]:
+def _raw_header(path: StoredPath) -> tuple[bytes, str, int, Stamp]:
     """A safetensors file's header bytes and text, where its data starts, and its stamp."""
-    with open(path, "rb") as f:
-        stamp = FileStamp.of(os.fstat(f.fileno()))
-        file_size = stamp.size
-        prefix = _pread_exact(f.fileno(), 8, 0)
-        if len(prefix) < 8:
-            raise FormatError(f"{path}: expected an 8-byte header length, but the file has {file_size} bytes")
-        n = int.from_bytes(prefix, "little")
-        if n > MAX_HEADER_BYTES:
-            raise FormatError(f"{path}: header length {n} exceeds the cap of {MAX_HEADER_BYTES} bytes")
-        if 8 + n > file_size:
-            raise FormatError(
-                f"{path}: header length {n} needs {8 + n} bytes but the file has {file_size} "
-                "(not a safetensors file, or truncated)"
-            )
-        raw = _pread_exact(f.fileno(), n, 8)
+    storage = storage_for(path)
+    stamp = storage.stamp(path)
+    file_size = stamp.size
+    prefix = storage.read(path, 0, 8)
+    if len(prefix) < 8:
+        raise FormatError(f"{path}: expected an 8-byte header length, but the file has {file_size} bytes")
+    n = int.from_bytes(prefix, "little")
+    if n > MAX_HEADER_BYTES:
+        raise FormatError(f"{path}: header length {n} exceeds the cap of {MAX_HEADER_BYTES} bytes")
+    if 8 + n > file_size:
+        raise FormatError(
+            f"{path}: header length {n} needs {8 + n} bytes but the file has {file_size} "
+            "(not a safetensors file, or truncated)"
+        )
+    raw = storage.read(path, 8, n)
     if len(raw) != n:  # the file shrank while we read it
         raise IntegrityError(f"{path}: expected {n} header bytes, read {len(raw)}")
     try:
@@ -136,14 +125,14 @@ def _raw_header(path: Path) -> tuple[bytes, str, int, FileStamp]:
     return raw, text, 8 + n, stamp
 
 
-def read_header(path: Path) -> dict[str, TensorInfo]:
+def read_header(path: StoredPath) -> dict[str, TensorInfo]:
     """Every tensor of one safetensors file, in data-offset order, validated against the file size."""
-    path = Path(path)
+    path = as_path(path)
     raw, text, data_start, stamp = _raw_header(path)
     return _validated(path, raw, text, data_start, stamp)
 
 
-def _validated(path: Path, raw: bytes, text: str, data_start: int, stamp: FileStamp) -> dict[str, TensorInfo]:
+def _validated(path: StoredPath, raw: bytes, text: str, data_start: int, stamp: Stamp) -> dict[str, TensorInfo]:
     file_size = stamp.size
     infos = _fast_header(path, raw, text, data_start, file_size, stamp)
     if infos is None:  # anything unusual: the strict parse decides, and names the problem
@@ -180,7 +169,7 @@ def _validated(path: Path, raw: bytes, text: str, data_start: int, stamp: FileSt
     return {info.name: info for info in infos}
 
 
-def _strict_header(path: Path, text: str, data_start: int, file_size: int, stamp: FileStamp) -> list[TensorInfo]:
+def _strict_header(path: StoredPath, text: str, data_start: int, file_size: int, stamp: Stamp) -> list[TensorInfo]:
     header = strict_json_loads(text, f"{path}: header", parse_int=_header_int)
     if not isinstance(header, dict):
         raise FormatError(f"{path}: header must be a JSON object, found {type(header).__name__}")
@@ -225,7 +214,7 @@ def _fast_json(raw: bytes, text: str) -> tuple[dict[str, Any], int] | None:
     return header, colons
 
 
-def _fast_header(path: Path, raw: bytes, text: str, data_start: int, file_size: int, stamp: FileStamp) -> list[TensorInfo] | None:
+def _fast_header(path: StoredPath, raw: bytes, text: str, data_start: int, file_size: int, stamp: Stamp) -> list[TensorInfo] | None:
     """The tensors of a well-formed header (:func:`_fast_json`), each entry checked as
     :func:`_parse_entry` checks it; None when anything is unusual."""
     parsed = _fast_json(raw, text)
@@ -241,11 +230,11 @@ def _fast_header(path: Path, raw: bytes, text: str, data_start: int, file_size: 
     return infos if colons + 3 * len(infos) == text.count(":") else None
 
 
-def lazy_header(path: Path) -> Header | dict[str, TensorInfo]:
+def lazy_header(path: StoredPath) -> Header | dict[str, TensorInfo]:
     """One file's header for a :class:`~.lazy.LazyTensors`: its entries, checked as a whole
     (:func:`~.lazy.tiles`), or, when the fast checks cannot vouch for it, every tensor read by
     :func:`read_header`'s strict path."""
-    path = Path(path)
+    path = as_path(path)
     raw, text, data_start, stamp = _raw_header(path)
     parsed = _fast_json(raw, text)
     if parsed is not None:
@@ -283,7 +272,7 @@ def _header_int(literal: str) -> int | float:
     return float(literal) if literal.startswith("-0") or value >= 1 << 64 else value
 
 
-def _check_name(path: Path, name: Any) -> None:
+def _check_name(path: StoredPath, name: Any) -> None:
     """Tensor names end up in error messages, logs and dict keys: keep them printable and bounded."""
     if not name or len(name) > MAX_NAME_LENGTH or not name.isprintable():
         raise FormatError(

@@ -16,12 +16,12 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import chain
 from operator import itemgetter
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from . import FileStamp, IndexedTensors, TensorInfo
+from ..storage import Stamp, StoredPath
+from . import IndexedTensors, TensorInfo
 
 MAX_NAME_LENGTH = 1024
 _OFFSETS = itemgetter("data_offsets")
@@ -31,11 +31,11 @@ _OFFSETS = itemgetter("data_offsets")
 class Header:
     """One file's parsed header: its entries (``name -> {dtype, shape, data_offsets}``) in data order."""
 
-    path: Path
+    path: StoredPath
     entries: Mapping[str, Any]
     data_start: int
     file_size: int
-    stamp: FileStamp
+    stamp: Stamp
 
 
 def tiles(entries: Mapping[str, Any], data_size: int) -> list[str] | None:

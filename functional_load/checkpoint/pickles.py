@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from ..dtypes import TORCH_TO_SAFETENSORS
-from ..errors import FormatError, IntegrityError, SecurityError
-from . import FileStamp, PickleEntry, TensorInfo
+from ..errors import CheckpointError, FormatError, IntegrityError, SecurityError
+from ..storage import StoredPath
+from ..storage.local import file_stamp
+from . import PickleEntry, TensorInfo
 
 MIN_TORCH = (2, 10)
 
@@ -89,11 +91,13 @@ def safe_torch_load(path: Path) -> dict[str, Any]:
     return dict(state)
 
 
-def index_pickles(files: tuple[Path, ...]) -> dict[str, TensorInfo]:
-    """TensorInfo for every tensor of the pickle files (read through torch, not pread)."""
+def index_pickles(files: tuple[StoredPath, ...]) -> dict[str, TensorInfo]:
+    """TensorInfo for every tensor of the pickle files (read through torch, not pread; local files only)."""
     tensors: dict[str, TensorInfo] = {}
     for path in files:
-        stamp = FileStamp.of(os.stat(path))
+        if not isinstance(path, Path):
+            raise CheckpointError(f"{path}: pickle weights are read from local disk only; convert them to safetensors")
+        stamp = file_stamp(os.stat(path))
         for name, tensor in safe_torch_load(path).items():
             dtype = str(tensor.dtype).removeprefix("torch.")
             if dtype not in TORCH_TO_SAFETENSORS:

@@ -14,12 +14,12 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from ..dtypes import SAFETENSORS_DTYPES, TORCH_TO_SAFETENSORS
 from ..errors import ConfigError, FormatError, IntegrityError
-from ..paths import check_contained, strict_json_loads
+from ..paths import strict_json_loads
+from ..storage import StoredPath, as_path, read_all, storage_for
 from . import Checkpoint, RankFiles, SavedBoxes, SavedPiece, TensorInfo
 from .index import read_header
 
@@ -28,13 +28,15 @@ FORMAT = "functional_load.sharded"
 VERSION = 1
 
 
-def read_manifest(directory: str | os.PathLike) -> dict[str, Any] | None:
+def read_manifest(directory: str | os.PathLike[str] | StoredPath) -> dict[str, Any] | None:
     """The manifest of a pre-sharded directory, or ``None`` when it is not one."""
-    path = Path(directory) / MANIFEST
-    if not path.is_file():
+    directory = as_path(directory)
+    path = directory / MANIFEST
+    storage = storage_for(path)
+    if storage.kind(path) != "file":
         return None
-    check_contained(path, Path(directory), "Manifest")
-    manifest = strict_json_loads(path.read_bytes(), str(path))
+    storage.contained(path, directory, "Manifest")
+    manifest = strict_json_loads(read_all(path, "a manifest"), str(path))
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise FormatError(f"{path}: not a functional_load sharded-state manifest")
     if manifest.get("version") != VERSION:
@@ -70,7 +72,7 @@ def _is_box(value: Any) -> bool:
     )
 
 
-def _check_schema(path: Path, manifest: Mapping[str, Any]) -> None:
+def _check_schema(path: StoredPath, manifest: Mapping[str, Any]) -> None:
     """Every field the loader reads has the type it expects; a FormatError names the first that
     does not (instead of a KeyError deep inside the reshard)."""
 
@@ -105,30 +107,34 @@ def _check_schema(path: Path, manifest: Mapping[str, Any]) -> None:
                 need(ok, f"ranks[{rank!r}].params[{param!r}].sources", source)
 
 
-def verify_sizes(directory: Path, manifest: Mapping[str, Any], names: Sequence[str]) -> None:
+def verify_sizes(directory: StoredPath, manifest: Mapping[str, Any], names: Sequence[str]) -> None:
     """Every rank file named exists, in the directory, with the size the manifest records."""
     for name in names:
         entry = manifest["files"][name]
         path = directory / name
-        if not path.is_file():
+        storage = storage_for(path)
+        if storage.kind(path) != "file":
             raise IntegrityError(f"{path}: listed in the manifest but missing; the save is incomplete")
-        check_contained(path, directory, "Rank file")
-        if path.stat().st_size != entry["size"]:
-            raise IntegrityError(f"{path}: {path.stat().st_size} bytes, the manifest says {entry['size']}")
+        storage.contained(path, directory, "Rank file")
+        size = storage.stamp(path).size
+        if size != entry["size"]:
+            raise IntegrityError(f"{path}: {size} bytes, the manifest says {entry['size']}")
 
 
-def _check_config(directory: Path, manifest: Mapping[str, Any]) -> None:
+def _check_config(directory: StoredPath, manifest: Mapping[str, Any]) -> None:
     source = manifest.get("source")
     recorded = source.get("config_sha256") if isinstance(source, dict) else None
     config = directory / "config.json"
-    if recorded is not None and config.is_file() and hashlib.sha256(config.read_bytes()).hexdigest() != recorded:
+    if recorded is None or storage_for(config).kind(config) != "file":
+        return
+    if hashlib.sha256(read_all(config, "a config")).hexdigest() != recorded:
         raise IntegrityError(
             f"{config}: differs from the config.json saved with {directory / MANIFEST} (SHA-256); it was edited, or a "
             f"re-save was interrupted between the manifest and the config. Re-save the checkpoint"
         )
 
 
-def sharded_checkpoint(directory: str | os.PathLike, manifest: Mapping[str, Any], rank: int) -> Checkpoint:
+def sharded_checkpoint(directory: str | os.PathLike[str] | StoredPath, manifest: Mapping[str, Any], rank: int) -> Checkpoint:
     """The virtual original checkpoint of a pre-sharded directory, as rank ``rank`` reads it.
 
     Every rank file holds boxes of original tensors; a box kept by several ranks (replicated
@@ -136,7 +142,7 @@ def sharded_checkpoint(directory: str | os.PathLike, manifest: Mapping[str, Any]
     weights quantized while loading has no original tensors: it is the rank's own file, as is
     (``rank_local``), and loads only at its saved layout.
     """
-    directory = Path(directory)
+    directory = as_path(directory)
     _check_config(directory, manifest)
     saved_tp = manifest["parallel"]["tp_size"]
     checksums = {directory / name: entry["sha256"] for name, entry in manifest["files"].items()}
@@ -177,7 +183,7 @@ def sharded_checkpoint(directory: str | os.PathLike, manifest: Mapping[str, Any]
 
 
 def saved_rank(
-    directory: str | os.PathLike, manifest: Mapping[str, Any], parallel: Any, params: Mapping[str, tuple[int, ...]]
+    directory: str | os.PathLike[str] | StoredPath, manifest: Mapping[str, Any], parallel: Any, params: Mapping[str, tuple[int, ...]]
 ) -> Checkpoint | None:
     """The rank's own file as a rank-local checkpoint, when this load is the saved one: the same
     tp size and expert placement, and the file holds exactly ``params`` (the layout's rank-local
@@ -190,7 +196,7 @@ def saved_rank(
     )
     if not same or manifest.get("online_quantization"):
         return None
-    directory = Path(directory)
+    directory = as_path(directory)
     entry = manifest["ranks"][str(parallel.rank)]
     verify_sizes(directory, manifest, [entry["file"]])
     own = directory / entry["file"]

@@ -20,6 +20,7 @@ from typing import Any
 
 from ..layout.segments import box_volume, full_box
 from ..plan.plan import Copy, ParamPlan, Plan
+from ..storage import as_path, is_local
 from .files import EagerReader
 from .fill import allocate, check_scale, copy_into, direct_bytes, is_scale, load_param, prepare, verify_shared
 from .options import ReadOptions, should_prefetch
@@ -130,7 +131,8 @@ def execute(
     later = [p for p in plan.params if consume is not None and consumed(p)]
     skip = {p.spec.name for p in later}
     fixed = [p for p in plan.params if not p.spec.derived and p.spec.name not in skip]
-    prefetcher = Prefetcher(plan, options) if reads and should_prefetch(options, plan.model_dir, plan.bytes_to_read) else None
+    local = is_local(as_path(plan.model_dir))
+    prefetcher = Prefetcher(plan, options) if reads and local and should_prefetch(options, plan.model_dir, plan.bytes_to_read) else None
     importlib.import_module("torch")  # before the clock: a first load's seconds of importing torch are not read time
     start = time.perf_counter()
     try:

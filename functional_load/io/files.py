@@ -23,14 +23,15 @@ from __future__ import annotations
 import mmap
 import os
 import threading
-from pathlib import Path
 
 import numpy as np
 
-from ..checkpoint import FileSpan, FileStamp, TensorInfo
+from ..checkpoint import FileSpan, TensorInfo
 from ..dtypes import itemsize
 from ..errors import IntegrityError
 from ..layout.segments import Box
+from ..storage import Stamp, StoredPath
+from ..storage.local import file_stamp
 from .options import MiB, ReadOptions
 from .runs import Run, byte_runs, read_run
 
@@ -60,7 +61,7 @@ class _Files:
     """Open files, checked against the size recorded when they were indexed."""
 
     def __init__(self, flags: int = 0, advice: int | None = None):
-        self._fds: dict[Path, int] = {}
+        self._fds: dict[StoredPath, int] = {}
         self._flags = flags
         self._advice = advice
         self._lock = threading.Lock()
@@ -82,7 +83,7 @@ class _Files:
                     if self._advice is not None and hasattr(os, "posix_fadvise"):
                         os.posix_fadvise(fd, 0, 0, self._advice)
                     self._fds[span.file] = fd
-        check_unchanged(span, os.fstat(fd), info.name)
+        check_unchanged(span, file_stamp(os.fstat(fd)), info.name)
         return fd
 
     def close(self) -> None:
@@ -91,19 +92,17 @@ class _Files:
         self._fds.clear()
 
 
-def check_unchanged(span: FileSpan, st: os.stat_result, name: str) -> None:
+def check_unchanged(span: FileSpan, now: Stamp, name: str) -> None:
     """Refuse a file that is not the one indexed: shorter than tensor ``name``'s span, or (when
     the index recorded it) replaced, rewritten or resized since."""
-    if st.st_size < span.offset + span.nbytes:
+    if now.size < span.offset + span.nbytes:
         raise IntegrityError(
             f"{span.file}: tensor {name!r} needs bytes up to {span.offset + span.nbytes}, but the file now has "
-            f"{st.st_size}; it was truncated or replaced after it was indexed"
+            f"{now.size}; it was truncated or replaced after it was indexed"
         )
-    if span.stamp is not None and FileStamp.of(st) != span.stamp:
-        now, then = FileStamp.of(st), span.stamp
+    if span.stamp is not None and now != span.stamp:
         raise IntegrityError(
-            f"{span.file}: changed after it was indexed (size {then.size} -> {now.size}, mtime_ns "
-            f"{then.mtime_ns} -> {now.mtime_ns}, inode {then.inode} -> {now.inode}) while loading tensor "
+            f"{span.file}: changed after it was indexed ({now.change(span.stamp)}) while loading tensor "
             f"{name!r}; re-plan the load once the checkpoint is stable"
         )
 
@@ -293,7 +292,7 @@ class MmapReader:
 
     def __init__(self, tally: Tally | None = None) -> None:
         self._files = _Files()
-        self._maps: dict[Path, mmap.mmap] = {}
+        self._maps: dict[StoredPath, mmap.mmap] = {}
         self._lock = threading.Lock()
         self.tally = tally or Tally()
 
@@ -346,7 +345,7 @@ class EagerReader(MmapReader):
     def __init__(self, block_size: int = 16 * MiB, tally: Tally | None = None) -> None:
         super().__init__(tally)
         self._block = block_size
-        self._buffers: dict[Path, memoryview] = {}
+        self._buffers: dict[StoredPath, memoryview] = {}
 
     def _source(self, info: TensorInfo) -> memoryview:
         path = span_of(info).file
@@ -371,7 +370,7 @@ class EagerReader(MmapReader):
     def _copied(self, nbytes: int) -> None:
         pass  # counted when the whole file was read
 
-    def release(self, path: Path) -> None:
+    def release(self, path: StoredPath) -> None:
         """Drop a file's buffer once nothing more is read from it."""
         with self._lock:
             self._buffers.pop(path, None)

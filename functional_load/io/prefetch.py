@@ -10,23 +10,24 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 from ..plan.plan import Plan
+from ..storage import StoredPath, is_local
 from .options import ReadOptions
 from .reader import file_spans
 
 _GAP = 1 << 20  # ranges closer than this are read as one
 
 
-def planned_ranges(plan: Plan) -> dict[Path, list[tuple[int, int]]]:
-    """Per file, the merged ``(start, stop)`` byte ranges the plan reads."""
-    spans: dict[Path, list[tuple[int, int]]] = {}
+def planned_ranges(plan: Plan) -> dict[StoredPath, list[tuple[int, int]]]:
+    """Per local file, the merged ``(start, stop)`` byte ranges the plan reads."""
+    spans: dict[StoredPath, list[tuple[int, int]]] = {}
     for param in plan.params:
         for copy in param.copies + param.checks:
             for path, start, stop in file_spans(plan.tensors[copy.tensor], copy.src):
-                spans.setdefault(path, []).append((start, stop))
-    merged: dict[Path, list[tuple[int, int]]] = {}
+                if is_local(path):
+                    spans.setdefault(path, []).append((start, stop))
+    merged: dict[StoredPath, list[tuple[int, int]]] = {}
     for path, ranges in spans.items():
         out: list[tuple[int, int]] = []
         for start, stop in sorted(ranges):
@@ -53,7 +54,7 @@ class Prefetcher:
                 for offset in range(start, stop, block):
                     self._pool.submit(self._read, path, offset, min(block, stop - offset))
 
-    def _read(self, path: Path, offset: int, length: int) -> None:
+    def _read(self, path: StoredPath, offset: int, length: int) -> None:
         if self._stop.is_set():
             return
         try:

@@ -14,6 +14,7 @@ import dataclasses
 import hashlib
 import os
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +23,13 @@ import numpy as np
 from ..checkpoint import FileSpan, PickleEntry, SavedBoxes, SavedPiece, TensorInfo
 from ..checkpoint.pickles import safe_torch_load
 from ..dtypes import itemsize
-from ..errors import IntegrityError
+from ..errors import IntegrityError, MissingFileError
 from ..layout.segments import Box, box_volume, swap_last
-from .files import PreadReader, Tally, check_unchanged, file_reader
+from ..storage import StoredPath, is_local, storage_for
+from ..storage.local import file_stamp
+from .files import FileReader, MmapReader, PreadReader, Tally, check_unchanged, file_reader
 from .options import ReadOptions
+from .ranges import StorageReader
 from .runs import Run, byte_runs
 
 
@@ -46,12 +50,13 @@ def _stored_box(piece: SavedPiece, inter: Box) -> Box:
 class Reader:
     """Copies a box of any checkpoint tensor into a caller-owned byte buffer; thread-safe."""
 
-    def __init__(self, options: ReadOptions, checksums: dict[Path, str] | None = None) -> None:
+    def __init__(self, options: ReadOptions, checksums: Mapping[StoredPath, str] | None = None) -> None:
         self.options = options
         self.tally = Tally()
-        self.files = file_reader(options, self.tally)
+        self.files = file_reader(options, self.tally)  # local files
+        self.remote = StorageReader(self.tally, options.max_over_read)  # files of any other storage
         self._checksums = dict(checksums or {})
-        self._verified: set[Path] = set()
+        self._verified: set[StoredPath] = set()
         self._pickles: dict[Path, dict[str, Any]] = {}
         self._lock = threading.Lock()
 
@@ -64,11 +69,15 @@ class Reader:
         location = info.location
         if isinstance(location, FileSpan):
             self._verify(location.file)
-            self.files.read_into(info, box, out)
+            self._spans(location.file).read_into(info, box, out)
         elif isinstance(location, PickleEntry):
             self._read_pickle(info, location, box, out)
         else:
             self._read_saved(info, location, box, out)
+
+    def _spans(self, file: StoredPath) -> FileReader | StorageReader:
+        """The reader of ``file``'s spans: the local strategy, or its storage's ranged reads."""
+        return self.files if is_local(file) else self.remote
 
     @property
     def sequential(self) -> bool:
@@ -77,11 +86,11 @@ class Reader:
 
     def read_run(self, run: Run) -> None:
         """Fill a run's destinations (file spans only; see :attr:`sequential`)."""
-        files = self.files
-        if not isinstance(files, PreadReader):
-            raise TypeError(f"sequential runs are read with pread, not {type(files).__name__} (see Reader.sequential)")
         self._verify(run.info.file)
-        files.read_run(run)
+        reader = self._spans(run.info.file)
+        if isinstance(reader, MmapReader):
+            raise TypeError(f"sequential runs are read with pread, not {type(reader).__name__} (see Reader.sequential)")
+        reader.read_run(run)
 
     def read_view(self, info: TensorInfo, view: tuple[tuple[int, ...], ...], box: Box, out: memoryview) -> None:
         """Fill ``out`` with ``box`` of ``info`` seen with each dimension split into axes (``view``:
@@ -93,7 +102,7 @@ class Reader:
             self.read_into(info, box, out)
         elif isinstance(info.location, FileSpan):
             self._verify(info.location.file)
-            self.files.read_into(dataclasses.replace(info, shape=axes), box, out)
+            self._spans(info.location.file).read_into(dataclasses.replace(info, shape=axes), box, out)
         else:
             flat, at = [], 0
             for dim in view:  # each dimension's indices the box holds, row-major over its axes
@@ -112,16 +121,16 @@ class Reader:
             picked = block[np.ix_(*(f - lo for f, (lo, _) in zip(flat, outer)), np.arange(item))]
             np.copyto(np.frombuffer(out, dtype=np.uint8), picked.reshape(-1))
 
-    def _verify(self, path: Path) -> None:
+    def _verify(self, path: StoredPath) -> None:
         if not self.options.verify_hashes or path in self._verified or path not in self._checksums:
             return
         with self._lock:
             if path in self._verified:
                 return
-            digest = hashlib.sha256()
-            with open(path, "rb") as f:
-                for block in iter(lambda: f.read(16 << 20), b""):
-                    digest.update(block)
+            storage, digest, at = storage_for(path), hashlib.sha256(), 0
+            while block := storage.read(path, at, 16 << 20):
+                digest.update(block)
+                at += len(block)
             if digest.hexdigest() != self._checksums[path]:
                 raise IntegrityError(f"{path}: SHA-256 differs from the manifest; the file is corrupt (bit flip?) or was replaced")
             self._verified.add(path)
@@ -186,10 +195,10 @@ def _check_stamp(path: Path, stamp: Any, name: str) -> None:
         st = os.stat(path)
     except FileNotFoundError:
         raise IntegrityError(f"{path}: disappeared after it was indexed (needed for tensor {name!r})") from None
-    check_unchanged(FileSpan(path, 0, 0, stamp), st, name)
+    check_unchanged(FileSpan(path, 0, 0, stamp), file_stamp(st), name)
 
 
-def file_spans(info: TensorInfo, box: Box) -> list[tuple[Path, int, int]]:
+def file_spans(info: TensorInfo, box: Box) -> list[tuple[StoredPath, int, int]]:
     """``(file, start, stop)`` byte ranges a read of ``box`` touches (for prefetching): the
     tensor's own span, or the stored spans of a pre-sharded save; none for a pickle."""
     location = info.location
@@ -211,7 +220,7 @@ def file_spans(info: TensorInfo, box: Box) -> list[tuple[Path, int, int]]:
 def verify_unchanged(plan: Any) -> None:
     """After reading: every file read is still the one indexed (an in-place rewrite during the
     load would otherwise go unnoticed)."""
-    seen: set[Path] = set()
+    seen: set[StoredPath] = set()
 
     def check(info: TensorInfo) -> None:
         location = info.location
@@ -225,10 +234,10 @@ def verify_unchanged(plan: Any) -> None:
         seen.add(location.file)
         if isinstance(location, FileSpan):
             try:
-                st = os.stat(location.file)
-            except OSError as exc:
+                stamp = storage_for(location.file).stamp(location.file)
+            except (OSError, MissingFileError) as exc:
                 raise IntegrityError(f"{location.file}: disappeared during the load ({exc})") from None
-            check_unchanged(location, st, info.name)
+            check_unchanged(location, stamp, info.name)
         else:
             _check_stamp(location.file, location.stamp, info.name)
 

@@ -4,35 +4,36 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any
 
-from ..dtypes import canonical_dtype, torch_name
+from ..dtypes import DtypeChoice, canonical_dtype, torch_name
 from ..errors import CheckpointError, ConfigError, MissingFileError
-from ..paths import check_contained, strict_json_loads
+from ..paths import strict_json_loads
+from ..storage import StoredPath, as_path, read_all, storage_for
 from .mistral import PARAMS, mistral_config
 
 MAX_CONFIG_BYTES = 16 * 1024 * 1024
 CONFIG = "config.json"
 
 
-def model_directory(model: str | os.PathLike[str]) -> Path:
+def model_directory(model: str | os.PathLike[str] | StoredPath) -> StoredPath:
     """The model directory ``model`` names: a directory, or the ``config.json`` inside one. Any
     other path is an error that says what it is and what to pass."""
-    path = Path(model)
-    if path.is_dir():
+    path = as_path(model)
+    kind = storage_for(path).kind(path)
+    if kind == "directory":
         return path
-    if path.is_file() and path.name == CONFIG:
+    if kind == "file" and path.name == CONFIG:
         return path.parent
-    if path.is_file():
+    if kind == "file":
         raise ConfigError(
             f"{path} is a file, not a model directory; pass the directory that holds config.json and the weight files "
             f"({path.parent})"
         )
-    raise MissingFileError(f"{path}: model directory not found (it must be a local directory holding config.json)")
+    raise MissingFileError(f"{path}: model directory not found (it must be a directory holding config.json)")
 
 
-def read_config(model: str | os.PathLike[str], fmt: str = "hf") -> dict[str, Any]:
+def read_config(model: str | os.PathLike[str] | StoredPath, fmt: str = "hf") -> dict[str, Any]:
     """The model's config as a dict: its ``config.json`` (strict JSON: no duplicate keys, no NaN),
     or for Mistral's own format (``fmt="mistral"``, as :func:`functional_load.checkpoint.discover.checkpoint_format`
     decides) its ``params.json`` adapted as vLLM adapts it (with ``config.json``'s keys as
@@ -40,23 +41,22 @@ def read_config(model: str | os.PathLike[str], fmt: str = "hf") -> dict[str, Any
     directory = model_directory(model)
     path = directory / CONFIG
     params = directory / PARAMS
-    if fmt == "mistral" and params.is_file():
-        defaults = _read_json(path, directory) if path.is_file() else {}
+    kind = storage_for(directory).kind
+    if fmt == "mistral" and kind(params) == "file":
+        defaults = _read_json(path, directory) if kind(path) == "file" else {}
         for key in ("dtype", "torch_dtype"):  # vLLM takes the dtype from params.json or the weights, never config.json
             defaults.pop(key, None)
         return mistral_config(_read_json(params, directory), defaults, str(params))
-    if not path.is_file():
-        hint = " (Mistral's params.json is read only with its consolidated*.safetensors)" if params.is_file() else ""
+    if kind(path) != "file":
+        hint = " (Mistral's params.json is read only with its consolidated*.safetensors)" if kind(params) == "file" else ""
         raise ConfigError(f"{path}: no config.json in the model directory; it is needed to know the model's shapes{hint}")
     return _read_json(path, directory)
 
 
-def _read_json(path: Path, directory: Path) -> dict[str, Any]:
-    check_contained(path, directory, "Config file")
-    if path.stat().st_size > MAX_CONFIG_BYTES:
-        raise ConfigError(f"{path}: {path.stat().st_size} bytes is larger than the {MAX_CONFIG_BYTES}-byte limit for a config")
+def _read_json(path: StoredPath, directory: StoredPath) -> dict[str, Any]:
+    storage_for(path).contained(path, directory, "Config file")
     try:
-        config = strict_json_loads(path.read_bytes(), str(path))
+        config = strict_json_loads(read_all(path, "a config", MAX_CONFIG_BYTES), str(path))
     except CheckpointError as exc:
         raise ConfigError(str(exc)) from None
     if not isinstance(config, dict):
@@ -76,7 +76,7 @@ def declared_dtype(config: Mapping[str, Any]) -> Any:
     return declared
 
 
-def model_dtype(requested: Any, config: Mapping[str, Any], weight_dtypes: Iterable[str] = (), where: str = "config.json") -> str:
+def model_dtype(requested: DtypeChoice, config: Mapping[str, Any], weight_dtypes: Iterable[str] = (), where: str = "config.json") -> str:
     """The destination dtype of a model, as vLLM's ``dtype="auto"`` decides it (the one rule
     used by ``layout``, ``plan``, ``load`` and ``load_jax``).
 

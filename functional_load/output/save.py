@@ -23,12 +23,23 @@ import shutil
 import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..checkpoint.sharded import FORMAT, MANIFEST, VERSION, read_manifest
 from ..dtypes import TORCH_TO_SAFETENSORS
 from ..errors import ConfigError, LoadError
 from ..layout.segments import Box
+from ..storage import StoredPath, as_path, read_all, storage_for
+from .state import LoadedState
+
+if TYPE_CHECKING:
+    import torch
+
+
+class SaveFile(Protocol):
+    """``safetensors.torch.save_file``'s signature."""
+
+    def __call__(self, tensors: dict[str, torch.Tensor], filename: str, metadata: dict[str, str] | None = None) -> None: ...
 
 
 def _step(name: str) -> None:
@@ -59,7 +70,7 @@ def follow_umask(path: Path) -> None:
     os.chmod(path, 0o666 & ~mask)
 
 
-def save_safetensors(tensors: dict[str, Any], path: Path, metadata: dict[str, str]) -> None:
+def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
     """``safetensors`` ``save_file`` with the umask's permissions, its I/O failures (disk full,
     ...) raised as the ``OSError`` they are."""
     from safetensors.torch import save_file
@@ -67,7 +78,7 @@ def save_safetensors(tensors: dict[str, Any], path: Path, metadata: dict[str, st
     _save_file(save_file, tensors, path, metadata)
 
 
-def _save_file(save_file: Any, tensors: dict[str, Any], path: Path, metadata: dict[str, str]) -> None:
+def _save_file(save_file: SaveFile, tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
     """``safetensors`` ``save_file``, whose I/O failures (disk full, ...) arrive as its own
     ``SafetensorError``: raised again as the ``OSError`` they are, so a full disk is a LoadError.
     The file gets the umask's permissions (safetensors makes it owner-only)."""
@@ -88,7 +99,7 @@ def _box(b: Box) -> list[list[int]]:
     return [list(r) for r in b]
 
 
-def write_sharded(states: Iterable[Any], out_dir: str | os.PathLike, model_dir: str | os.PathLike | None = None) -> Path:
+def write_sharded(states: Iterable[LoadedState], out_dir: str | os.PathLike, model_dir: str | os.PathLike | None = None) -> Path:
     """Write the ``LoadedState`` of every rank of one layout to ``out_dir`` (atomically), with
     the manifest that lets any tp size reload it. Returns ``out_dir``.
 
@@ -97,7 +108,7 @@ def write_sharded(states: Iterable[Any], out_dir: str | os.PathLike, model_dir: 
     save in ``out_dir`` stays loadable.
     """
     try:
-        return _write(iter(states), Path(out_dir), Path(model_dir) if model_dir is not None else None)
+        return _write(iter(states), Path(out_dir), as_path(model_dir) if model_dir is not None else None)
     except OSError as exc:
         raise LoadError(
             f"save_sharded: writing {out_dir} failed ({exc.strerror or exc}); nothing was committed, and any previous "
@@ -105,7 +116,7 @@ def write_sharded(states: Iterable[Any], out_dir: str | os.PathLike, model_dir: 
         ) from None
 
 
-def _write(states: Iterator[Any], out: Path, model_dir: Path | None) -> Path:
+def _write(states: Iterator[LoadedState], out: Path, model_dir: StoredPath | None) -> Path:
     from safetensors.torch import save_file
 
     save_id = uuid.uuid4().hex[:12]
@@ -114,9 +125,9 @@ def _write(states: Iterator[Any], out: Path, model_dir: Path | None) -> Path:
     work.mkdir(parents=True, exist_ok=not fresh)
     written: list[Path] = []
     try:
-        ranks: dict[str, Any] = {}
-        originals: dict[str, Any] = {}
-        files: dict[str, Any] = {}
+        ranks: dict[str, dict[str, object]] = {}  # the manifest's JSON
+        originals: dict[str, dict[str, object]] = {}
+        files: dict[str, dict[str, object]] = {}
         first_plan = None
         for state in states:
             plan = state.plan
@@ -126,7 +137,7 @@ def _write(states: Iterator[Any], out: Path, model_dir: Path | None) -> Path:
                 raise ConfigError("save_sharded saves a checkpoint's tensors; a load_format='dummy' load has none to save")
             first_plan = first_plan or plan
             if model_dir is None:
-                model_dir = Path(plan.model_dir)
+                model_dir = as_path(plan.model_dir)
             rank = plan.parallel.rank
             name = f"model-rank-{rank}-of-{plan.parallel.tp_size}-{save_id}.safetensors"
             unique = {id(t): (n, t) for n, t in reversed(list(state.items()))}  # tied aliases stored once
@@ -161,8 +172,8 @@ def _write(states: Iterator[Any], out: Path, model_dir: Path | None) -> Path:
         # Over an old save, the new config.json waits under a temporary name and replaces the old
         # one together with the manifest: the old manifest must never meet the new config.
         config_tmp = work / ("config.json" if fresh else f".config.json.{save_id}")
-        if model_dir is not None and (model_dir / "config.json").is_file():
-            shutil.copyfile(model_dir / "config.json", config_tmp)
+        if model_dir is not None and storage_for(model_dir).kind(model_dir / "config.json") == "file":
+            config_tmp.write_bytes(read_all(model_dir / "config.json", "a config"))
             with open(config_tmp, "rb+") as f:
                 os.fsync(f.fileno())
         config_file = config_tmp if config_tmp.exists() else work / "config.json"
@@ -223,7 +234,7 @@ def _write(states: Iterator[Any], out: Path, model_dir: Path | None) -> Path:
     return out
 
 
-def _online_method(plan: Any) -> str | None:
+def _online_method(plan: Any) -> str | None:  # a Plan; its online scheme (FP8's) has a strategy the Scheme protocol lacks
     """The ``quantization=`` value a plan was made with, if it quantized while loading."""
     for scheme in plan.schemes.values():
         if scheme.online:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -19,6 +18,7 @@ from ..layout.build import ParamSpec
 from ..layout.parallel import Parallel
 from ..layout.quantized import Scheme
 from ..layout.segments import Box, box_volume, full_box
+from ..storage import StoredPath
 from .rotary import to_halves
 
 
@@ -99,7 +99,7 @@ class Plan:
     aliases: Mapping[str, str] = field(default_factory=dict)  # tied alias -> canonical parameter
     dropped: tuple[tuple[str, str], ...] = ()  # (checkpoint tensor, why it is not loaded)
     schemes: Mapping[str, Scheme] = field(default_factory=dict)  # quantized module -> scheme
-    checksums: Mapping[Path, str] = field(default_factory=dict)  # file -> SHA-256 where recorded (pre-sharded saves)
+    checksums: Mapping[StoredPath, str] = field(default_factory=dict)  # file -> SHA-256 where recorded (pre-sharded saves)
     _index: Mapping[str, ParamPlan] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

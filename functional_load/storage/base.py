@@ -1,0 +1,98 @@
+"""The storage seam's values: file identities (stamps), object paths and the protocol.
+
+A file's identity (its :data:`Stamp`) is fixed when it is indexed and compared again before and
+after reading: a local file by size, mtime, inode and device, an object by size and version
+(its ETag).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import ClassVar, Literal, Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class FileStamp:
+    """A local file's identity as far as ``stat`` can tell: a file replaced, rewritten or
+    truncated after indexing no longer matches."""
+
+    size: int
+    mtime_ns: int
+    inode: int
+    device: int
+
+    def change(self, then: Stamp) -> str:
+        """How the file changed since ``then`` (for an error message)."""
+        if not isinstance(then, FileStamp):
+            return f"size {then.size} -> {self.size}"
+        return (
+            f"size {then.size} -> {self.size}, mtime_ns {then.mtime_ns} -> {self.mtime_ns}, inode {then.inode} -> {self.inode}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectStamp:
+    """An object's identity: its size and the version its store gives it (an ETag)."""
+
+    size: int
+    version: str
+
+    def change(self, then: Stamp) -> str:
+        return f"size {then.size} -> {self.size}, version {getattr(then, 'version', '?')!r} -> {self.version!r}"
+
+
+Stamp = FileStamp | ObjectStamp
+Kind = Literal["file", "directory", "missing"]
+
+
+class ObjectPath(PurePosixPath):
+    """``scheme://bucket/key`` as a path (``/bucket/key`` underneath, so ``/``, ``.name`` and
+    ``.parent`` work as for files); a subclass per scheme names it in :attr:`scheme`."""
+
+    scheme: ClassVar[str] = ""
+
+    def __str__(self) -> str:
+        return f"{self.scheme}:/{self.key}"
+
+    @property
+    def key(self) -> str:
+        """``/bucket/key``: the path without its scheme."""
+        return PurePosixPath.__str__(self)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self)!r})"
+
+
+StoredPath = Path | ObjectPath
+
+
+class Storage(Protocol):
+    """A source of checkpoint bytes. Every method takes paths of this storage only; missing
+    files raise :class:`~functional_load.errors.MissingFileError` naming the path."""
+
+    def kind(self, path: StoredPath) -> Kind:
+        """Whether ``path`` is a file, a directory (a prefix, for objects) or nothing."""
+        ...
+
+    def list_files(self, directory: StoredPath, pattern: str) -> list[StoredPath]:
+        """The files directly in ``directory`` whose names match the glob ``pattern``; a local
+        storage refuses what is no regular file or leads outside the directory."""
+        ...
+
+    def contained(self, path: StoredPath, directory: StoredPath, what: str) -> None:
+        """Refuse a ``path`` that leads outside ``directory`` (a local symlink can; an object cannot)."""
+        ...
+
+    def stamp(self, file: StoredPath) -> Stamp:
+        """The file's identity now."""
+        ...
+
+    def read(self, file: StoredPath, offset: int, size: int) -> bytes:
+        """At most ``size`` bytes from ``offset`` (fewer only at the end of the file)."""
+        ...
+
+    def read_into(self, file: StoredPath, offset: int, out: memoryview, stamp: Stamp | None) -> int:
+        """Fill ``out`` from ``offset``, from the version ``stamp`` names when given (an object
+        replaced since is refused); an early end of the file is an ``IntegrityError``."""
+        ...

@@ -1,0 +1,150 @@
+"""The storage seam: a checkpoint served by a storage other than the local file system.
+
+:class:`MemoryStorage` (a test double: objects in a dict, each with a version, every request
+counted) holds a real transformers checkpoint under ``memory://bucket/...``. Planning, loading,
+``load_jax``, a pre-sharded save and its reload run over it unchanged, equal the local load bit
+for bit, fetch exactly the planned tensor bytes, and refuse an object replaced during the load.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import threading
+from collections import Counter
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+import functional_load as fl
+from functional_load.errors import IntegrityError, MissingFileError
+from functional_load.io import execute
+from functional_load.storage import Kind, ObjectPath, ObjectStamp, Stamp, StoredPath, as_path, register_scheme
+
+
+class MemoryPath(ObjectPath):
+    scheme = "memory"
+
+
+def _key(path: StoredPath) -> str:
+    assert isinstance(path, MemoryPath), path
+    return path.key
+
+
+class MemoryStorage:
+    """Objects ``/bucket/key`` -> bytes, versioned like ETags; counts requests and bytes."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, tuple[bytes, str]] = {}
+        self.requests = 0
+        self.data_bytes = 0  # bytes served by ranged reads into buffers (tensor data)
+        self.served: Counter[str] = Counter()  # the same, per object
+        self._lock = threading.Lock()
+
+    def put(self, key: str, data: bytes) -> None:
+        old = self.objects.get(key)
+        self.objects[key] = (data, f"v{int(old[1][1:]) + 1}" if old else "v1")
+
+    def _get(self, path: StoredPath) -> tuple[bytes, str]:
+        key = _key(path)
+        if key not in self.objects:
+            raise MissingFileError(f"{path}: no such object")
+        with self._lock:
+            self.requests += 1
+        return self.objects[key]
+
+    def kind(self, path: StoredPath) -> Kind:
+        key = _key(path)
+        if key in self.objects:
+            return "file"
+        return "directory" if any(k.startswith(key.rstrip("/") + "/") for k in self.objects) else "missing"
+
+    def list_files(self, directory: StoredPath, pattern: str) -> list[StoredPath]:
+        prefix = _key(directory).rstrip("/") + "/"
+        names = [k[len(prefix):] for k in self.objects if k.startswith(prefix)]
+        return [directory / n for n in sorted(names) if "/" not in n and fnmatch.fnmatch(n, pattern)]
+
+    def contained(self, path: StoredPath, directory: StoredPath, what: str) -> None:
+        pass  # an object cannot point elsewhere
+
+    def stamp(self, file: StoredPath) -> Stamp:
+        data, version = self._get(file)
+        return ObjectStamp(len(data), version)
+
+    def read(self, file: StoredPath, offset: int, size: int) -> bytes:
+        return self._get(file)[0][offset : offset + size]
+
+    def read_into(self, file: StoredPath, offset: int, out: memoryview, stamp: Stamp | None) -> int:
+        data, version = self._get(file)
+        if stamp is not None and stamp != ObjectStamp(len(data), version):
+            raise IntegrityError(f"{file}: replaced since it was indexed ({stamp} -> {version}); re-plan the load")
+        chunk = data[offset : offset + out.nbytes]
+        if len(chunk) < out.nbytes:
+            raise IntegrityError(f"{file}: ends early")
+        out[:] = chunk
+        with self._lock:
+            self.data_bytes += len(chunk)
+            self.served[_key(file)] += len(chunk)
+        return len(chunk)
+
+
+@pytest.fixture()
+def store(tiny_checkpoint) -> tuple[MemoryStorage, Path]:
+    storage = MemoryStorage()
+    register_scheme(MemoryPath, lambda: storage)
+    local = tiny_checkpoint("llama")
+    for file in sorted(local.iterdir()):
+        if file.is_file():
+            storage.put(f"/bucket/llama/{file.name}", file.read_bytes())
+    return storage, local
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().view(torch.uint8).numpy()
+
+
+@pytest.mark.parametrize(("tp", "rank"), [(1, 0), (2, 1), (4, 2)])
+def test_load_from_another_storage_equals_the_local_load(store, tp: int, rank: int) -> None:
+    storage, local = store
+    uri = "memory://bucket/llama"
+    assert str(as_path(uri)) == uri and isinstance(as_path(uri), MemoryPath)
+    plan = fl.plan(uri, tp_size=tp, rank=rank)
+    assert {str(info.file) for info in plan.tensors.values()} <= {f"memory:/{k}" for k in storage.objects}
+    before = storage.data_bytes
+    remote = fl.load(uri, tp_size=tp, rank=rank, progress=False)
+    ours = fl.load(local, tp_size=tp, rank=rank, progress=False)
+    assert remote.keys() == ours.keys()
+    for name in ours:
+        np.testing.assert_array_equal(_bits(remote[name]), _bits(ours[name]), err_msg=name)
+    assert storage.data_bytes - before == plan.bytes_to_read == remote.stats.bytes_read  # exactly the planned bytes
+
+
+def test_object_replaced_during_the_load_is_refused(store) -> None:
+    storage, _ = store
+    plan = fl.plan("memory://bucket/llama", tp_size=2, rank=0)
+    key = next(k for k in storage.objects if k.endswith(".safetensors"))
+    storage.put(key, storage.objects[key][0])  # the same bytes, a new version: another object
+    with pytest.raises(IntegrityError, match=f"memory:/{key}"):
+        execute(plan)
+    assert storage.served[key] == 0  # no byte of the new version was used (each read names the version)
+
+
+def test_missing_directory_names_the_uri(store) -> None:
+    with pytest.raises(MissingFileError, match="memory://bucket/nothing"):
+        fl.plan("memory://bucket/nothing")
+
+
+def test_load_jax_and_a_save_from_another_storage(store, tmp_path: Path) -> None:
+    _, local = store
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+    remote, ours = fl.load_jax("memory://bucket/llama", mesh), fl.load_jax(local, mesh)
+    assert remote.keys() == ours.keys()
+    for name in ours:
+        np.testing.assert_array_equal(np.asarray(remote[name]), np.asarray(ours[name]), err_msg=name)
+    saved = fl.save_sharded("memory://bucket/llama", tmp_path / "saved", tp_size=2)
+    for rank in range(2):
+        again, want = fl.load(saved, tp_size=2, rank=rank, progress=False), fl.load(local, tp_size=2, rank=rank, progress=False)
+        for name in want:
+            np.testing.assert_array_equal(_bits(again[name]), _bits(want[name]), err_msg=name)
