@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from .api import Model, _checkpoint, plan, resolve_model_dir
+from .checkpoint import TensorInfo
 from .checkpoint.discover import checkpoint_format
 from .checkpoint.sharded import read_manifest
 from .dtypes import numpy_name, to_numpy, torch_name
@@ -26,22 +28,27 @@ from .layout.axes import Range, view_to_dims
 from .layout.build import build_layout
 from .model.config import model_dtype, read_config
 from .model.spec import spec_for_config
-from .model.targetmap import Drop, TargetMap, as_target_map
+from .model.targetmap import Drop, Rule, TargetMap, as_target_map
 from .options import LoadOptions, resolve_options
-from .output.arrays import build_arrays, device_boxes, file_order
+from .output.arrays import Progress, build_arrays, device_boxes, file_order
 from .output.jax import local_tp_ranks, tp_axes_of, vllm_arrays
 from .plan import Plan
-from .plan.target import Leaf, TargetPlan, plan_target
+from .plan.target import Leaf, LeafPlan, TargetPlan, plan_target
 from .quant import parse_quant_config
 from .transform.arrange import arrange_block, block_bytes
+
+if TYPE_CHECKING:
+    import jax
+    from jax.sharding import Mesh
+    from jax.tree_util import PyTreeDef
 
 
 def load_jax(
     model: Model | Mapping[str, Any],
-    mesh: Any = None,
+    mesh: Mesh | None = None,
     *,
-    target: Any = None,
-    mapping: Any = None,
+    target: object = None,
+    mapping: TargetMap | Mapping[str, Rule] | str | Path | None = None,
     tp_axis: str | Sequence[str] = "tp",
     reader: Reader | None = None,
     options: LoadOptions = LoadOptions(),
@@ -78,7 +85,9 @@ def load_jax(
     return _target(model, target, as_target_map(mapping), mesh, reader, opts)
 
 
-def _vllm_layout(model: Any, mesh: Any, tp_axis: str | Sequence[str], reader: Reader | None, opts: LoadOptions) -> dict[str, Any]:
+def _vllm_layout(
+    model: Model | Mapping[str, Any], mesh: Mesh, tp_axis: str | Sequence[str], reader: Reader | None, opts: LoadOptions
+) -> dict[str, jax.Array]:
     axes = tp_axes_of(mesh, tp_axis)
     tp_size = 1
     for a in axes:
@@ -107,7 +116,7 @@ def _vllm_layout(model: Any, mesh: Any, tp_axis: str | Sequence[str], reader: Re
             bar.close()
 
 
-def _bar(opts: LoadOptions, total: int, what: str) -> Any:
+def _bar(opts: LoadOptions, total: int, what: str) -> Progress | None:
     if not show_progress(opts.progress, total):
         return None
     from tqdm.auto import tqdm
@@ -115,7 +124,7 @@ def _bar(opts: LoadOptions, total: int, what: str) -> Any:
     return tqdm(total=total, unit="B", unit_scale=True, desc=what)
 
 
-def key_path(path: Sequence[Any]) -> str:
+def key_path(path: Sequence[object]) -> str:
     """A leaf's ``jax.tree_util`` key path joined with ``"."``: a dict key as it is, an attribute
     by name, a sequence position as its number; the trailing ``value`` of a Flax NNX variable is
     left out (its leaf is named by the variable's path)."""
@@ -134,7 +143,7 @@ def key_path(path: Sequence[Any]) -> str:
     return ".".join(parts)
 
 
-def target_leaves(tree: Any, mesh: Any = None) -> tuple[list[Leaf], Any]:
+def target_leaves(tree: object, mesh: Mesh | None = None) -> tuple[list[Leaf], PyTreeDef]:
     """The leaves of a target tree and its structure. Every leaf must be a ``ShapeDtypeStruct``
     (anything with shape, dtype and sharding) with a sharding; one over an abstract mesh (as
     ``nnx.eval_shape`` under ``jax.set_mesh`` gives) is placed on ``mesh``, which must then be given."""
@@ -198,7 +207,9 @@ def spec_drops(config: Mapping[str, Any], opts: LoadOptions) -> tuple[Drop, ...]
     return tuple(drops)
 
 
-def plan_jax_target(model: Any, tree: Any, target_map: TargetMap, opts: LoadOptions, mesh: Any = None) -> tuple[TargetPlan, Any]:
+def plan_jax_target(
+    model: Model, tree: object, target_map: TargetMap, opts: LoadOptions, mesh: Mesh | None = None
+) -> tuple[TargetPlan, PyTreeDef]:
     """The validated plan of a target tree (no tensor byte read) and the tree's structure."""
     _not_for_targets(opts)
     leaves, treedef = target_leaves(tree, mesh)
@@ -211,7 +222,7 @@ def plan_jax_target(model: Any, tree: Any, target_map: TargetMap, opts: LoadOpti
     return plan_target(leaves, full, checkpoint, config), treedef
 
 
-def _target(model: Any, tree: Any, target_map: TargetMap, mesh: Any, reader: Reader | None, opts: LoadOptions) -> Any:
+def _target(model: Any, tree: object, target_map: TargetMap, mesh: Mesh | None, reader: Reader | None, opts: LoadOptions) -> Any:
     import jax
     import numpy as np
 
@@ -222,7 +233,7 @@ def _target(model: Any, tree: Any, target_map: TargetMap, mesh: Any, reader: Rea
         leaf_plan = the_plan.leaves[i]
         view = leaf_plan.view
 
-        def raw(info: Any, source_box: tuple[Range, ...], groups: tuple[tuple[int, ...], ...]) -> np.ndarray:
+        def raw(info: TensorInfo, source_box: tuple[Range, ...], groups: tuple[tuple[int, ...], ...]) -> np.ndarray:
             out = np.empty(tuple(b - a for a, b in source_box), dtype=to_numpy(torch_name(info.dtype)))
             active.read_view(info, groups, source_box, out.reshape(-1).view(np.uint8).data)
             return out
@@ -257,6 +268,6 @@ def _target(model: Any, tree: Any, target_map: TargetMap, mesh: Any, reader: Rea
     return jax.tree_util.tree_unflatten(treedef, arrays)
 
 
-def _first_byte(leaf_plan: Any) -> tuple[str, int]:
+def _first_byte(leaf_plan: LeafPlan) -> tuple[str, int]:
     info = min(leaf_plan.sources.values(), key=lambda i: (str(i.file), getattr(i.location, "offset", 0)))
     return str(info.file), getattr(info.location, "offset", 0)

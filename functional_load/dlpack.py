@@ -7,10 +7,14 @@ not contiguous is made so first (one copy); the loader's own buffers always are.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import jax
+    import torch
 
 
-def to_jax(tensor: Any) -> Any:
+def to_jax(tensor: torch.Tensor) -> jax.Array:
     """A ``jax.Array`` over the same memory as a CPU torch ``tensor`` (copies only if the
     tensor is not contiguous)."""
     import jax
@@ -18,13 +22,13 @@ def to_jax(tensor: Any) -> Any:
     return jax.dlpack.from_dlpack(tensor.contiguous())
 
 
-def to_torch(array: Any) -> Any:
+def to_torch(array: jax.Array) -> torch.Tensor:
     """A torch tensor over the same memory as a single-device ``jax.Array``."""
     import torch
 
     return torch.from_dlpack(array)
 
 
-def shares_memory(tensor: Any, array: Any) -> bool:
+def shares_memory(tensor: torch.Tensor, array: jax.Array) -> bool:
     """Whether a torch tensor and a jax array use the same buffer (zero-copy check)."""
     return int(array.unsafe_buffer_pointer()) == int(tensor.data_ptr())

@@ -6,7 +6,12 @@ The plan speaks safetensors codes (``"BF16"``) for checkpoint tensors and torch 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, TypeAlias
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+    import torch
 
 # safetensors dtype code -> (bits per element, torch dtype name)
 SAFETENSORS_DTYPES: dict[str, tuple[int, str]] = {
@@ -38,6 +43,8 @@ _DTYPE_ALIASES = {
     "fp64": "float64", "float64": "float64", "double": "float64",
 }
 
+DtypeChoice: TypeAlias = "str | torch.dtype | None"  # a model dtype as a user gives it (canonical_dtype reads it)
+
 
 def itemsize(code: str) -> int:
     """Bytes per element of a safetensors dtype code."""
@@ -54,7 +61,7 @@ def torch_itemsize(name: str) -> int:
     return itemsize(TORCH_TO_SAFETENSORS[name])
 
 
-def canonical_dtype(value: Any) -> str | None:
+def canonical_dtype(value: object) -> str | None:
     """A torch dtype name for a user or config dtype (``torch.bfloat16``, ``"bf16"``, ``"auto"``...).
 
     Returns ``None`` for ``None``/``"auto"`` (meaning: use the config's dtype); raises ``ValueError``
@@ -70,14 +77,14 @@ def canonical_dtype(value: Any) -> str | None:
     return _DTYPE_ALIASES[text]
 
 
-def to_torch(name: str) -> Any:
+def to_torch(name: str) -> torch.dtype:
     """The ``torch.dtype`` for a torch dtype name (imports torch)."""
     import torch
 
     return getattr(torch, name)
 
 
-def to_numpy(name: str) -> Any:
+def to_numpy(name: str) -> np.dtype:
     """The numpy dtype for a torch dtype name (bfloat16 and the float8 formats from ml_dtypes)."""
     import ml_dtypes
     import numpy as np
@@ -87,7 +94,7 @@ def to_numpy(name: str) -> Any:
     return np.dtype(name)
 
 
-def numpy_name(dtype: Any) -> str:
+def numpy_name(dtype: npt.DTypeLike) -> str:
     """The torch dtype name of a numpy or JAX dtype (``jnp.bfloat16`` -> ``"bfloat16"``)."""
     import numpy as np
 

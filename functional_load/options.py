@@ -13,10 +13,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .dtypes import DtypeChoice
 from .errors import ConfigError
 from .io.options import ReadOptions
 from .layout.parallel import PLACEMENTS, Parallel
@@ -44,7 +46,7 @@ class LoadOptions:
       progress bar (``None``: only for long loads).
     """
 
-    dtype: Any = None
+    dtype: DtypeChoice = None
     quantization: str | None = None
     load_format: str = "auto"
     allow_pickle: bool = False
@@ -119,7 +121,7 @@ def _closest(name: str, fields: list[str]) -> str:
     return close[0] if close else ""
 
 
-def resolve_options(options: LoadOptions, overrides: dict[str, Any]) -> LoadOptions:
+def resolve_options(options: LoadOptions, overrides: Mapping[str, object]) -> LoadOptions:
     """``options`` with the keyword overrides of an entry point applied (checked)."""
     if not isinstance(options, LoadOptions):
         raise ConfigError(f"options must be a functional_load.LoadOptions, got {type(options).__name__}")

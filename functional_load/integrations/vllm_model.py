@@ -9,7 +9,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..errors import ConfigError, PlanError
 from ..io.execute import LoadStats, execute
@@ -17,6 +17,10 @@ from ..io.options import ReadOptions
 from ..layout.parallel import Parallel
 from ..options import LoadOptions
 from ..plan.plan import Plan
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 LOAD_FORMAT = "functional_load"
 _READ_KEYS = tuple(f.name for f in dataclasses.fields(ReadOptions))
@@ -43,7 +47,7 @@ class ExtraConfig:
     report_dir: str | None = None
 
     @classmethod
-    def parse(cls, extra: Any) -> ExtraConfig:
+    def parse(cls, extra: object) -> ExtraConfig:
         """Parse vLLM's ``model_loader_extra_config`` (a dict; unknown keys are refused)."""
         if extra is None:
             return cls()
@@ -103,7 +107,9 @@ def check_supported(parallel: Parallel, pp_size: int, dp_size: int, online_quant
         raise ConfigError("; ".join(problems))
 
 
-def match_model(plan: Plan, params: Mapping[str, Any], experts: Mapping[str, MoePlacement] = {}) -> dict[str, Any]:
+def match_model(
+    plan: Plan, params: Mapping[str, torch.Tensor], experts: Mapping[str, MoePlacement] = {}
+) -> dict[str, torch.Tensor]:
     """The live model parameters the plan fills, by name; raises a :class:`PlanError` listing
     every parameter the plan leaves unfilled, every planned tensor the model lacks, every shape or
     dtype that differs, and every MoE layer whose expert placement differs from the plan's. A
@@ -142,22 +148,24 @@ def match_model(plan: Plan, params: Mapping[str, Any], experts: Mapping[str, Moe
     return {name: params[name] for name in planned}
 
 
-def _key(tensor: Any) -> tuple[Any, ...]:
+def _key(tensor: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...], str, str]:
     """Where a tensor's elements are: two names with the same key are one tensor."""
     return (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), str(tensor.dtype), str(tensor.device))
 
 
-def live_tensors(model: Any, plan: Plan) -> dict[str, Any]:
+def live_tensors(model: nn.Module, plan: Plan) -> dict[str, torch.Tensor]:
     """What the plan fills in vLLM's model, by name: its parameters (``remove_duplicate=False``:
     aliases too), and the buffers the plan names (a persistent buffer vLLM's loader fills from the
     checkpoint: Gemma 4's ``layer_scalar``, xIELU's ``beta`` and ``eps``)."""
-    params = dict(model.named_parameters(remove_duplicate=False))
+    params: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     planned = {p.spec.name for p in plan.params}
     params.update({n: b for n, b in model.named_buffers(remove_duplicate=False) if n in planned and n not in params})
     return params
 
 
-def fill_model(plan: Plan, params: Mapping[str, Any], options: LoadOptions, experts: Mapping[str, MoePlacement] = {}) -> LoadStats:
+def fill_model(
+    plan: Plan, params: Mapping[str, torch.Tensor], options: LoadOptions, experts: Mapping[str, MoePlacement] = {}
+) -> LoadStats:
     """Read the plan's bytes into the live parameters ``params`` (checked by :func:`match_model`):
     CPU parameters are filled in place, others from a CPU copy, one parameter at a time."""
     import torch

@@ -13,7 +13,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ..errors import ConfigError, ShardingError
-from ..model.expressions import Scope, evaluate
+from ..model.expressions import Scope, Value, evaluate
 from ..model.mapping import ROTARY_CACHES, MappingTable
 from ..model.spec import ArchSpec, ModuleSpec, Stage
 from ..vllm_target import VLLM_VERSION
@@ -235,14 +235,14 @@ def _stage_table(stage: Stage, scope: Scope) -> MappingTable:
     ))
 
 
-class _Fields(dict[str, Any]):
+class _Fields(dict[str, Value]):
     """``str.format_map`` names from a scope."""
 
     def __init__(self, scope: Scope) -> None:
         super().__init__()
         self.scope = scope
 
-    def __missing__(self, key: str) -> Any:
+    def __missing__(self, key: str) -> Value:
         return self.scope[key]
 
 

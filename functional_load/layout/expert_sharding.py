@@ -4,7 +4,6 @@ a bias on the first rank only (:class:`FirstRank`), and grouped storage (:class:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from ..errors import ConfigError, ShardingError
 from ..model.mapping import ShardId
@@ -93,7 +92,7 @@ class ExpertSplit(Sharding):
         dim = self.inner.split_dim
         return None if dim is None else dim + 1
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         out = {"kind": "experts", "num_experts": self.num_experts, "inner": self.inner.to_json(), "input_major": self.input_major}
         return {**out, "flat": True} if self.flat else out
 
@@ -115,7 +114,7 @@ class FirstRank(Sharding):
     def placement(self, parallel: Parallel) -> Placement:
         return PerRank() if parallel.tp_size > 1 else Same()
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {"kind": "first_rank"}
 
 
@@ -162,5 +161,5 @@ class Grouped(Sharding):
     def split_dim(self) -> int | None:
         return self.inner.split_dim
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {"kind": "grouped", "size": self.size, "inner": self.inner.to_json()}

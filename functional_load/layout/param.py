@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
+from ..model.mapping import ShardId
 from .parallel import Parallel
 from .placement import PerRank, Placement, Same
 from .sharding import Sharding
@@ -43,7 +43,7 @@ class ParamSpec:
             return PerRank()
         return placement
 
-    def local_pieces(self, parallel: Parallel, dim: int = 0) -> list[tuple[Any, tuple[int, int]]]:
+    def local_pieces(self, parallel: Parallel, dim: int = 0) -> list[tuple[ShardId | None, tuple[int, int]]]:
         """``(segment id, local range)`` along ``dim`` on this rank: each fused segment's, when the
         parameter's segments lie along ``dim``; else one ``(None, whole dimension)`` piece."""
         if self.sharding.split_dim == dim:

@@ -13,14 +13,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeAlias
 
 from ..dtypes import FLOAT8
 from ..errors import ConfigError
-from ..model.mapping import MappingTable
+from ..model.mapping import MappingTable, ShardId
 from .parallel import Parallel
+from .param import ParamSpec
 from .segments import Segment
 from .sharding import Replicated, Sharding, Split
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
 # How a parameter's values are checked as they are read (scales: before any weight):
 # "positive": finite and > 0 (FP8/int8 and KV-cache scales); "finite": finite, any sign
@@ -87,7 +92,7 @@ class Linear:
             return self.out_split(0)
         return self.in_split(dim_in, self.in_size if inputs is None else inputs, label)
 
-    def slot_ids(self) -> tuple[Any, ...]:
+    def slot_ids(self) -> tuple[ShardId, ...]:
         """One per-tensor scale slot per logical shard of a column-like layer (q/k/v: 3)."""
         return tuple(s.id for s in self.segments) if self.column else (0,)
 
@@ -138,7 +143,7 @@ def groups_of(group_size: int, linear: Linear) -> int:
     return linear.in_size // group_size
 
 
-Get = Callable[[str], Any]  # a parameter of the module by suffix -> its rank-local tensor
+Get: TypeAlias = "Callable[[str], torch.Tensor]"  # a parameter of the module by suffix -> its rank-local tensor
 
 
 class BoxDequantizer(Protocol):
@@ -154,7 +159,7 @@ class BoxDequantizer(Protocol):
         """The box of scale tensor ``name`` (of ``shape``) that weight box ``box`` needs."""
         ...
 
-    def apply(self, weight: Any, scales: Mapping[str, Any], box: tuple[tuple[int, int], ...]) -> Any:
+    def apply(self, weight: np.ndarray, scales: Mapping[str, np.ndarray], box: tuple[tuple[int, int], ...]) -> np.ndarray:
         """The float32 values of weight box ``box`` from its stored block and scale blocks (numpy)."""
         ...
 
@@ -176,16 +181,18 @@ class Scheme(Protocol):
         """Every ``w13_*`` / ``w2_*`` parameter of one expert (global shapes, no expert dimension)."""
         ...
 
-    def dequantize(self, get: Get, specs: Mapping[str, Any], parallel: Parallel, target: str = "checkpoint") -> Any:
+    def dequantize(self, get: Get, specs: Mapping[str, ParamSpec], parallel: Parallel, target: str = "checkpoint") -> torch.Tensor:
         """A rank-local linear's dense float32 ``[out, in]`` weight; ``specs`` its ParamSpecs by
         suffix; ``target`` the output layout the tensors are in (``load(target=...)``)."""
         ...
 
-    def apply_target(self, target: str, module: str, tensors: dict[str, Any], specs: Mapping[str, Any], parallel: Parallel) -> None:
+    def apply_target(
+        self, target: str, module: str, tensors: dict[str, torch.Tensor], specs: Mapping[str, ParamSpec], parallel: Parallel
+    ) -> None:
         """Turn the module's tensors (by full name, in place) into a kernel family's layout (``target``)."""
         ...
 
-    def quantize(self, dense: Any, specs: Mapping[str, Any], parallel: Parallel) -> dict[str, Any]:
+    def quantize(self, dense: torch.Tensor, specs: Mapping[str, ParamSpec], parallel: Parallel) -> dict[str, torch.Tensor]:
         """An online scheme's tensors (by suffix) from a dense rank-local weight."""
         ...
 
@@ -193,11 +200,11 @@ class Scheme(Protocol):
         """How to dequantize boxes of one stored linear's weight, or None when the format cannot."""
         ...
 
-    def dequantize_experts(self, get: Get, stem: str, specs: Mapping[str, Any], parallel: Parallel) -> Any:
+    def dequantize_experts(self, get: Get, stem: str, specs: Mapping[str, ParamSpec], parallel: Parallel) -> torch.Tensor:
         """An MoE layer's rank-local ``w13`` or ``w2`` (``stem``) as dense float32 ``[E_local, out, in]``."""
         ...
 
-    def to_json(self) -> dict[str, Any]: ...
+    def to_json(self) -> dict[str, object]: ...
 
 
 class Quantization(Protocol):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 from ..errors import ConfigError, ShardingError
 from ..model.mapping import ShardId
@@ -48,7 +47,7 @@ class Slots(Sharding):
         pairs = tuple((full_box(scalar), ((i, i + 1),), slot) for i, slot in enumerate(self.ids) if slot in ids)
         return Part(pairs, (), scalar)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {"kind": "slots", "ids": list(self.ids)}
 
 
@@ -71,7 +70,7 @@ class Shared(Slots):
         expected = _scalar(found) if shape in ((), (1,)) else shape  # a scalar, stored 0-dim or [1]
         return Part(tuple((full_box(expected), full_box(shape), i) for i in ids), (), expected, check=True)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {"kind": "shared", "ids": list(self.ids)}
 
 
@@ -103,7 +102,7 @@ class Pick(Slots):
         keep = shard_id is None or shard_id == self.keep
         return Part(((full_box(shape), full_box(shape), self.keep),) if keep else (), (), shape)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {"kind": "pick", "ids": list(self.ids), "keep": self.keep}
 
 
@@ -221,7 +220,7 @@ class Blocked(Sharding):
     def split_dim(self) -> int | None:
         return self.split.dim
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {"kind": "blocked", "block": self.block, "rule": self.rule, "split": self.split.to_json()}
 
 
@@ -314,7 +313,7 @@ class ExpertBlocks(Sharding):
     def split_dim(self) -> int | None:
         return None
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {"kind": "expert_blocks", "intermediate": self.intermediate, "hidden": self.hidden,
                 "block": list(self.block), "down": self.down, "refine": self.refine}
 

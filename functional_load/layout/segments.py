@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeVar
 
 from ..errors import ConfigError, ShardingError
 from ..model.mapping import ShardId
 
 Range = tuple[int, int]
 Box = tuple[Range, ...]
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,7 +211,7 @@ def with_range(box: Box, dim: int, rng: Range) -> Box:
     return box[:dim] + (rng,) + box[dim + 1 :]
 
 
-def swap_last(box: tuple[Any, ...]) -> tuple[Any, ...]:
+def swap_last(box: tuple[_T, ...]) -> tuple[_T, ...]:
     """``box`` (or a shape) with its last two dimensions swapped: a transposed matrix, or each
     expert's matrix of a 3-D tensor."""
     return box[:-2] + (box[-1], box[-2]) if len(box) >= 2 else box

@@ -22,6 +22,7 @@ from .segments import (
     Piece,
     Range,
     Segment,
+    VocabShard,
     full_box,
     grouped_runs,
     segment_offsets,
@@ -117,7 +118,7 @@ class Sharding:
         rows are not split in units (a tensor whose rows cannot be permuted within a head)."""
         return 0
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {"kind": "replicated"}
 
 
@@ -140,7 +141,7 @@ class Replicated(Sharding):
             return Part(((full_box(found), full_box(shape), None),), (), found)
         return Sharding.part(self, shape, shard_id, expert, parallel, found)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {"kind": "replicated", "squeeze": True} if self.squeeze else {"kind": "replicated"}
 
 
@@ -271,7 +272,7 @@ class Split(Sharding):
     def split_dim(self) -> int | None:
         return self.dim
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         segments = [{"id": g.id, "count": g.count, "unit": g.unit, "replicate": g.replicate} for g in self.segments]
         out = {"kind": "split", "dim": self.dim, "segments": segments, "disable_tp": self.disable_tp, "stored": self.stored}
         return {**out, "squeeze": True} if self.squeeze else out
@@ -300,7 +301,7 @@ class VocabSplit(Sharding):
         if self.vocab < 0 or self.padding < 1:
             raise ConfigError(f"a vocabulary of {self.vocab} padded to multiples of {self.padding}: both must be positive")
 
-    def shard(self, parallel: Parallel) -> Any:
+    def shard(self, parallel: Parallel) -> VocabShard:
         return vocab_shard(self.vocab, parallel.tp_size, parallel.rank, padding=self.padding)
 
     def local_shape(self, shape: tuple[int, ...], parallel: Parallel) -> tuple[int, ...]:
@@ -320,5 +321,5 @@ class VocabSplit(Sharding):
     def placement(self, parallel: Parallel) -> Placement:
         return Along(0)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {"kind": "vocab", "vocab": self.vocab, "padding": self.padding}

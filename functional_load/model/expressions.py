@@ -17,9 +17,14 @@ import functools
 import keyword
 import operator
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, TypeAlias
 
 from ..errors import ConfigError
+
+Expr = str | int | float | bool  # a spec expression: a string to evaluate, or a literal that is its own value
+# What an expression evaluates to: a number, string, bool, None (a missing key), a literal list (a tuple), or a
+# config value as config.json holds it (a list, or a nested config, looked up by any key)
+Value: TypeAlias = "int | float | bool | str | tuple[Value, ...] | list[Value] | Mapping[object, Value] | None"
 
 
 def _power(base: Any, exponent: Any) -> Any:
@@ -39,7 +44,7 @@ _BINOPS = {
     ast.Mod: operator.mod,
     ast.Pow: _power,
 }
-def _member(a: Any, b: Any) -> bool:
+def _member(a: Value, b: Any) -> bool:
     """``a in b`` over a list (a config list, or a literal ``['M', 'mamba']``); a string on the right
     would match substrings ('attention' in 'M linear_attention'), so it is refused."""
     if isinstance(b, str):
@@ -59,7 +64,7 @@ _CMPOPS = {
 }
 
 
-def evaluate(expr: str | int | float | bool, lookup: Mapping[str, Any] | Any) -> Any:
+def evaluate(expr: Expr, lookup: Mapping[str, Value]) -> Value:
     """Evaluate a spec expression; ``lookup[name]`` gives a value or ``None`` when absent."""
     if not isinstance(expr, str):
         return expr
@@ -67,7 +72,7 @@ def evaluate(expr: str | int | float | bool, lookup: Mapping[str, Any] | Any) ->
         return lookup[expr]
     tree = _parse(expr)
 
-    def ev(node: ast.AST) -> Any:
+    def ev(node: ast.AST) -> Any:  # a Value (Any: mypy cannot follow the narrowing of ``sequence`` below)
         if isinstance(node, ast.Expression):
             return ev(node.body)
         if isinstance(node, ast.Constant) and isinstance(node.value, (int, float, bool, str)):
@@ -136,7 +141,7 @@ def evaluate(expr: str | int | float | bool, lookup: Mapping[str, Any] | Any) ->
             )
         raise ConfigError(f"unsupported construct {ast.dump(node)[:60]} in spec expression {expr!r}")
 
-    def _number(value: Any, node: ast.AST) -> Any:
+    def _number(value: Value, node: ast.AST) -> Any:  # an operand of arithmetic: a wrong type raises TypeError
         if value is None:
             raise ConfigError(f"config.json has no {ast.unparse(node)!r}, needed by spec expression {expr!r}")
         return value
@@ -156,17 +161,17 @@ def _parse(expr: str) -> ast.Expression:
         raise ConfigError(f"invalid spec expression {expr!r}: {exc.msg}") from None
 
 
-class Scope(Mapping[str, Any]):
+class Scope(Mapping[str, Value]):
     """Name lookup for spec expressions: ``layer``, then dims (evaluated lazily), then config keys."""
 
     def __init__(
-        self, config: Mapping[str, Any], dims: Mapping[str, str], layer: int | None = None, extra: Mapping[str, Any] | None = None
+        self, config: Mapping[str, Any], dims: Mapping[str, str], layer: int | None = None, extra: Mapping[str, Value] | None = None
     ):
         self._config, self._dims, self._layer = config, dims, layer
         self._extra = dict(extra or {})
         # dims evaluated once per (name, layer, extra values), shared by the scopes derived from
         # this one: a dim may depend on ``layer`` (``layer * 2``) or on an extra name
-        self._cache: dict[tuple[str, int | None, str], Any] = {}
+        self._cache: dict[tuple[str, int | None, str], Value] = {}
         self._values = repr(sorted(self._extra.items()))
         self._busy: set[str] = set()
 
@@ -175,13 +180,13 @@ class Scope(Mapping[str, Any]):
         scope._cache = self._cache
         return scope
 
-    def with_values(self, **values: Any) -> Scope:
+    def with_values(self, **values: Value) -> Scope:
         """This scope with more names (``tp_size`` for a spec's refusals)."""
         scope = Scope(self._config, self._dims, self._layer, {**self._extra, **values})
         scope._cache = self._cache
         return scope
 
-    def __getitem__(self, name: str) -> Any:
+    def __getitem__(self, name: str) -> Value:
         if name == "layer":
             return self._layer
         if name in self._extra:
@@ -207,7 +212,7 @@ class Scope(Mapping[str, Any]):
     def __len__(self) -> int:
         return len(self._dims)
 
-    def int(self, expr: Any, what: str) -> int:
+    def int(self, expr: Any, what: str) -> int:  # expr: a spec field as parsed
         value = evaluate(expr, self)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             dim = f" (dim {expr} = {self._dims[expr]!r})" if isinstance(expr, str) and expr in self._dims else ""

@@ -261,13 +261,14 @@ def _rule_blind(rule: Rule) -> bool:
 
 _UNSAFE = object()  # a template whose mapping could not be learned: map each name in full
 _MISSING = object()
+_Learned = tuple[str, tuple[ShardId, ...], int | None, bool] | None  # a template's mapping: a name format, its fields
 
 
 def _fields(mapped: Mapped | None) -> tuple[str, tuple[ShardId, ...], int | None, bool] | None:
     return None if mapped is None else (mapped.name, mapped.shard_ids, mapped.expert, mapped.interleaved)
 
 
-def _apply(learned: Any, numbers: list[str]) -> tuple[str, tuple[ShardId, ...], int | None, bool] | None:
+def _apply(learned: _Learned, numbers: list[str]) -> tuple[str, tuple[ShardId, ...], int | None, bool] | None:
     """A learned template's mapping of a name with these number components."""
     if learned is None:
         return None
@@ -290,7 +291,7 @@ class NameMapper:
     def __init__(self, stages: Stages):
         self.stages = (stages,) if isinstance(stages, MappingTable) else tuple(stages)
         self.blind = all(_rule_blind(r) for table in self.stages for r in table.rules)
-        self._memo: dict[str, Any] = {}
+        self._memo: dict[str, Any] = {}  # a template -> its _Learned mapping, or _UNSAFE
 
     def __call__(self, name: str) -> Mapped | None:
         found = self.lookup(name)
@@ -308,11 +309,11 @@ class NameMapper:
             return _fields(map_name(self.stages, name))
         return _apply(learned, parts[1::2])
 
-    def _learn(self, name: str, parts: list[str]) -> Any:
+    def _learn(self, name: str, parts: list[str]) -> _Learned | object:  # object: _UNSAFE
         sentinels = [f"9{i:07d}9" for i in range(len(parts) // 2)]
         probe = "".join(p if i % 2 == 0 else "." + sentinels[i // 2] for i, p in enumerate(parts))
         mapped = map_name(self.stages, probe)
-        learned: Any = None
+        learned: _Learned = None
         if mapped is not None:
             fmt = mapped.name.replace("{", "{{").replace("}", "}}")
             for i, s in enumerate(sentinels):

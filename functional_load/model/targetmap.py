@@ -42,6 +42,8 @@ else:  # pragma: no cover
 
 RESERVED = ("fuse", "take", "rotary", "repeat", "pad", "scale", "dequantize")
 Value = int | float | str
+Take = Value | tuple[Value, Value]  # one index of an axis, or a (start, stop) range
+AxesOrSizes = Mapping[str, Value] | Sequence[str]  # axis -> a size, or axes sized from the target
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
@@ -50,7 +52,7 @@ def placeholders(template: str) -> tuple[str, ...]:
     return tuple(_PLACEHOLDER.findall(template))
 
 
-def _axes_or_sizes(value: Any, what: str, where: str) -> Mapping[str, Value] | tuple[str, ...]:
+def _axes_or_sizes(value: AxesOrSizes | None, what: str, where: str) -> Mapping[str, Value] | tuple[str, ...]:
     if value is None:
         return MappingProxyType({})
     if isinstance(value, Mapping):
@@ -68,7 +70,7 @@ class Rule:
     pattern: Pattern
     sizes: Mapping[str, Value]
     fuse: str | None
-    take: Mapping[str, Any]
+    take: Mapping[str, Take]
     rotary: Mapping[str, str]
     repeat: Mapping[str, Value] | tuple[str, ...]
     pad: Mapping[str, Value] | tuple[str, ...]
@@ -76,9 +78,9 @@ class Rule:
     dequantize: bool
 
     def __init__(
-        self, source: str | Sequence[str], pattern: str, *, fuse: str | None = None, take: Mapping[str, Any] | None = None,
-        rotary: Mapping[str, str] | None = None, repeat: Any = None, pad: Any = None, scale: Value | None = None,
-        dequantize: bool = False, **sizes: Value,
+        self, source: str | Sequence[str], pattern: str, *, fuse: str | None = None, take: Mapping[str, Take] | None = None,
+        rotary: Mapping[str, str] | None = None, repeat: AxesOrSizes | None = None, pad: AxesOrSizes | None = None,
+        scale: Value | None = None, dequantize: bool = False, **sizes: Value,
     ) -> None:
         sources = (source,) if isinstance(source, str) else tuple(source)
         where = f"Rule({sources[0]!r}{', ...' if len(sources) > 1 else ''})" if sources else "Rule()"
@@ -146,7 +148,7 @@ class TargetMap:
                 raise ConfigError(f"{self.source}: the value for leaf {key!r} must be a functional_load.Rule, got {type(rule).__name__}")
 
 
-def as_target_map(mapping: Any) -> TargetMap:
+def as_target_map(mapping: TargetMap | Mapping[str, Rule] | str | Path) -> TargetMap:
     """A :class:`TargetMap` from a map, a dict of rules, a ``.toml`` path or a shipped map's name."""
     if isinstance(mapping, TargetMap):
         return mapping

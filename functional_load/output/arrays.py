@@ -14,20 +14,33 @@ import collections
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
 
 from ..dtypes import to_numpy
 from ..layout.axes import Range
 from ..plan.target import Leaf
 from ..transform.arrange import block_bytes
 
-Block = Callable[[int, tuple[Range, ...]], Any]  # (leaf number, box) -> numpy block of the leaf's dtype
+if TYPE_CHECKING:
+    import jax
+
+Block = Callable[[int, tuple[Range, ...]], np.ndarray]  # (leaf number, box) -> numpy block of the leaf's dtype
 WINDOW_BYTES = 1 << 30  # blocks read ahead of the leaf being placed
 
 
-def device_boxes(leaf: Leaf) -> dict[tuple[Range, ...], list[Any]]:
+class Progress(Protocol):
+    """A progress bar (tqdm's), counting bytes."""
+
+    def update(self, n: int) -> bool | None: ...
+
+    def close(self) -> None: ...
+
+
+def device_boxes(leaf: Leaf) -> dict[tuple[Range, ...], list[jax.Device]]:
     """This process's devices of ``leaf`` grouped by the box of the leaf they hold."""
-    boxes: dict[tuple[Range, ...], list[Any]] = {}
+    boxes: dict[tuple[Range, ...], list[jax.Device]] = {}
     for device, index in leaf.sharding.addressable_devices_indices_map(leaf.shape).items():
         box = tuple(s.indices(n)[:2] for s, n in zip(index, leaf.shape)) if index else ()
         boxes.setdefault(tuple((int(a), int(b)) for a, b in box), []).append(device)
@@ -35,19 +48,19 @@ def device_boxes(leaf: Leaf) -> dict[tuple[Range, ...], list[Any]]:
 
 
 def build_arrays(
-    leaves: Sequence[Leaf], block: Block, *, threads: int = 4, order: Sequence[int] | None = None, bar: Any = None,
+    leaves: Sequence[Leaf], block: Block, *, threads: int = 4, order: Sequence[int] | None = None, bar: Progress | None = None,
     budget: int = WINDOW_BYTES,
-) -> list[Any]:
+) -> list[jax.Array]:
     """One global array per leaf (in ``leaves``' order); ``order`` is the order to read them in."""
     import jax
 
     order = list(range(len(leaves))) if order is None else list(order)
     boxes = [device_boxes(leaf) for leaf in leaves]
-    out: list[Any] = [None] * len(leaves)
-    pending: collections.deque[tuple[int, dict[tuple[Range, ...], Future[Any]]]] = collections.deque()
+    out: list[Any] = [None] * len(leaves)  # each a jax.Array once its leaf is placed
+    pending: collections.deque[tuple[int, dict[tuple[Range, ...], Future[np.ndarray]]]] = collections.deque()
     in_flight = [0]
 
-    def make(i: int, box: tuple[Range, ...]) -> Any:
+    def make(i: int, box: tuple[Range, ...]) -> np.ndarray:
         data = block(i, box)
         if bar is not None:
             bar.update(data.nbytes)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -24,14 +24,19 @@ from ..errors import ConfigError, ShardingError
 from ..io.fill import load_param
 from ..io.reader import Reader
 from ..layout.axes import Range
-from ..layout.placement import Along, PerRank
+from ..layout.placement import Along, PerRank, Placement
 from ..plan.plan import Plan
 from ..plan.target import Leaf
 from ..transform.online import is_online_weight, quantize_online
-from .arrays import build_arrays
+from .arrays import Progress, build_arrays
+
+if TYPE_CHECKING:
+    import jax
+    import torch
+    from jax.sharding import Mesh
 
 
-def tp_axes_of(mesh: Any, tp_axis: str | Sequence[str]) -> tuple[str, ...]:
+def tp_axes_of(mesh: Mesh, tp_axis: str | Sequence[str]) -> tuple[str, ...]:
     """The mesh axes that carry tensor parallelism (checked against the mesh)."""
     axes = (tp_axis,) if isinstance(tp_axis, str) else tuple(tp_axis)
     missing = [a for a in axes if a not in mesh.axis_names]
@@ -40,7 +45,7 @@ def tp_axes_of(mesh: Any, tp_axis: str | Sequence[str]) -> tuple[str, ...]:
     return axes
 
 
-def tp_rank(mesh: Any, axes: tuple[str, ...], device: Any) -> int:
+def tp_rank(mesh: Mesh, axes: tuple[str, ...], device: jax.Device) -> int:
     """The tensor-parallel rank of ``device``: its row-major coordinate over ``axes``."""
     where = np.argwhere(mesh.devices == device)[0]
     rank = 0
@@ -50,13 +55,13 @@ def tp_rank(mesh: Any, axes: tuple[str, ...], device: Any) -> int:
     return rank
 
 
-def local_tp_ranks(mesh: Any, tp_axis: str | Sequence[str]) -> list[int]:
+def local_tp_ranks(mesh: Mesh, tp_axis: str | Sequence[str]) -> list[int]:
     """The tensor-parallel ranks of this process's devices."""
     axes = tp_axes_of(mesh, tp_axis)
     return sorted({tp_rank(mesh, axes, d) for d in mesh.local_devices})
 
 
-def _numpy(tensor: Any) -> np.ndarray:
+def _numpy(tensor: torch.Tensor) -> np.ndarray:
     """A CPU torch tensor's memory as a numpy array of the same dtype (bfloat16, float8 included)."""
     import torch
 
@@ -66,19 +71,20 @@ def _numpy(tensor: Any) -> np.ndarray:
 
 
 def vllm_arrays(
-    plan_of: Callable[[int], Plan], mesh: Any, tp_axis: str | Sequence[str], reader: Reader, *, threads: int = 4, bar: Any = None
-) -> dict[str, Any]:
+    plan_of: Callable[[int], Plan], mesh: Mesh, tp_axis: str | Sequence[str], reader: Reader, *, threads: int = 4,
+    bar: Progress | None = None,
+) -> dict[str, jax.Array]:
     """Every parameter of vLLM's layout as a global array over ``mesh``; ``plan_of(rank)`` is
     the plan of a tensor-parallel rank, asked only for this process's ranks."""
     from jax.sharding import NamedSharding, PartitionSpec
 
     axes = tp_axes_of(mesh, tp_axis)
     tp_size = math.prod(mesh.shape[a] for a in axes)
-    entry: Any = axes[0] if len(axes) == 1 else axes
+    entry: str | tuple[str, ...] = axes[0] if len(axes) == 1 else axes
     local = local_tp_ranks(mesh, axes)
     first = plan_of(local[0])
     leaves: list[Leaf] = []
-    forms: list[tuple[str, Any]] = []
+    forms: list[tuple[str, Placement]] = []
     for param in first.params:
         spec = param.spec
         shapes = {plan_of(r).param(spec.name).spec.local_shape for r in local}
@@ -97,7 +103,7 @@ def vllm_arrays(
             global_shape, pspec = shape, PartitionSpec()
         leaves.append(Leaf(spec.name, global_shape, spec.dtype, NamedSharding(mesh, pspec)))
         forms.append((spec.name, placement))
-    quantized: dict[tuple[int, str], dict[str, Any]] = {}  # online quantization: (rank, module) -> its tensors
+    quantized: dict[tuple[int, str], dict[str, torch.Tensor]] = {}  # online quantization: (rank, module) -> its tensors
     lock = threading.Lock()
 
     def rank_param(name: str, rank: int) -> np.ndarray:  # each distinct box asks once (see .arrays)

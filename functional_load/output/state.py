@@ -8,20 +8,23 @@ parameter; :meth:`LoadedState.unique` lists each tensor once.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
 from ..io.execute import LoadStats
 from ..plan.plan import Plan
 
+if TYPE_CHECKING:
+    import torch
 
-class LoadedState(Mapping[str, Any]):
+
+class LoadedState(Mapping[str, "torch.Tensor"]):  # quoted: torch is imported only for type checking
     """``{name: torch.Tensor}`` of one rank, read-only, with the ``plan`` that made it, the
     output ``target`` layout and the load's ``stats``."""
 
     __slots__ = ("_plan", "_stats", "_target", "_tensors")
 
-    def __init__(self, tensors: Mapping[str, Any], plan: Plan, target: str = "checkpoint", stats: LoadStats | None = None):
+    def __init__(self, tensors: Mapping[str, torch.Tensor], plan: Plan, target: str = "checkpoint", stats: LoadStats | None = None):
         self._tensors = dict(tensors)
         self._plan = plan
         self._target = target
@@ -39,7 +42,7 @@ class LoadedState(Mapping[str, Any]):
     def stats(self) -> LoadStats | None:
         return self._stats
 
-    def __getitem__(self, name: str) -> Any:
+    def __getitem__(self, name: str) -> torch.Tensor:
         return self._tensors[name]
 
     def __iter__(self) -> Iterator[str]:
@@ -52,7 +55,7 @@ class LoadedState(Mapping[str, Any]):
         p = self._plan.parallel
         return f"LoadedState({len(self)} tensors, {self._plan.arch}, rank {p.rank} of tp {p.tp_size}, target {self._target!r})"
 
-    def unique(self) -> dict[str, Any]:
+    def unique(self) -> dict[str, torch.Tensor]:
         """Each tensor once, under its first name (a tied alias is left out)."""
         seen: dict[int, str] = {}
         for name, tensor in self._tensors.items():
@@ -60,7 +63,7 @@ class LoadedState(Mapping[str, Any]):
         return {name: self._tensors[name] for name in seen.values()}
 
 
-def check_device(device: Any) -> None:
+def check_device(device: str | int | torch.device) -> None:
     """A device the tensors can go to, checked before anything is read."""
     import torch
 
@@ -74,12 +77,12 @@ def check_device(device: Any) -> None:
         raise ConfigError(f"device={device!r}: only 'cpu' and CUDA devices are supported")
 
 
-def to_device(state: LoadedState, device: Any) -> LoadedState:
+def to_device(state: LoadedState, device: str | int | torch.device) -> LoadedState:
     """The state on a torch ``device`` (e.g. ``"cuda:0"``): each tensor is staged through pinned
     host memory and copied asynchronously; tied aliases stay one tensor."""
     import torch
 
-    moved: dict[int, Any] = {}
+    moved: dict[int, torch.Tensor] = {}
     out = {}
     for name, tensor in state.items():
         if id(tensor) not in moved:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
 from ..layout.parallel import Parallel
+from ..layout.param import ParamSpec
 from ..layout.quantized import Get, Linear, ParamDef, groups_of
 from .base import BaseScheme
 from .codes import unpack_int32
@@ -20,6 +21,9 @@ from .config import QuantConfig, ignore_list
 from .gptq import OPTIONAL_BIAS, bits_and_group
 from .kv import CACHE_SCALES, OPTIONAL_KV
 from .pack import group_index, group_split, per_group
+
+if TYPE_CHECKING:
+    import torch
 
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # element e of a word sits in field AWQ_REVERSE_ORDER[e]
 
@@ -49,7 +53,7 @@ class AwqScheme(BaseScheme):
             ParamDef("scales", (groups, out), per_group(linear, 1, 0, groups), model_dtype, check="finite", role="scale"),
         ]
 
-    def dequantize(self, get: Get, specs: Mapping[str, Any], parallel: Parallel, target: str = "checkpoint") -> Any:
+    def dequantize(self, get: Get, specs: Mapping[str, ParamSpec], parallel: Parallel, target: str = "checkpoint") -> torch.Tensor:
         q = unpack_int32(get("qweight"), self.bits, dim=1, interleave=AWQ_REVERSE_ORDER)  # [in, out]
         zeros = unpack_int32(get("qzeros"), self.bits, dim=1, interleave=AWQ_REVERSE_ORDER)
         scales = get("scales").float()

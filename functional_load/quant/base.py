@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError, LoadError
 from ..layout.experts import from_linears
 from ..layout.parallel import Parallel
-from ..layout.quantized import Experts, Get, Linear, ParamDef
+from ..layout.param import ParamSpec
+from ..layout.quantized import BoxDequantizer, Experts, Get, Linear, ParamDef
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -37,28 +41,30 @@ class BaseScheme:
     def expert_params(self, experts: Experts, model_dtype: str) -> list[ParamDef]:
         return from_linears(self, experts, model_dtype)
 
-    def dequantize(self, get: Get, specs: Mapping[str, Any], parallel: Parallel, target: str = "checkpoint") -> Any:
+    def dequantize(self, get: Get, specs: Mapping[str, ParamSpec], parallel: Parallel, target: str = "checkpoint") -> torch.Tensor:
         raise NotImplementedError
 
-    def dequantize_experts(self, get: Get, stem: str, specs: Mapping[str, Any], parallel: Parallel) -> Any:
+    def dequantize_experts(self, get: Get, stem: str, specs: Mapping[str, ParamSpec], parallel: Parallel) -> torch.Tensor:
         """Each local expert dequantized as a linear of its own (``get(suffix)[slot]``)."""
         import torch
 
         weight = next(name for name, spec in specs.items() if spec.role == "weight" and name.startswith(f"{stem}_"))
         count = get(weight).shape[0]
 
-        def expert(slot: int) -> Any:
+        def expert(slot: int) -> torch.Tensor:
             return self.dequantize(lambda suffix: get(f"{stem}_{suffix}")[slot], {}, parallel, "checkpoint")
 
         return torch.stack([expert(s) for s in range(count)]) if count else torch.empty(0)
 
-    def apply_target(self, target: str, module: str, tensors: dict[str, Any], specs: Mapping[str, Any], parallel: Parallel) -> None:
+    def apply_target(
+        self, target: str, module: str, tensors: dict[str, torch.Tensor], specs: Mapping[str, ParamSpec], parallel: Parallel
+    ) -> None:
         """Turn the module's tensors (by full name, in place in ``tensors``) into ``target``'s layout."""
 
-    def quantize(self, dense: Any, specs: Mapping[str, Any], parallel: Parallel) -> dict[str, Any]:
+    def quantize(self, dense: torch.Tensor, specs: Mapping[str, ParamSpec], parallel: Parallel) -> dict[str, torch.Tensor]:
         raise ConfigError(f"{self.format} weights cannot be quantized while loading")
 
-    def box_dequantizer(self) -> Any:
+    def box_dequantizer(self) -> BoxDequantizer | None:
         return None
 
     def to_json(self) -> dict[str, Any]:

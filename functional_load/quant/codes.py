@@ -7,12 +7,15 @@ byte, the low nibble first, bit 3 the sign; an e8m0 byte ``e`` is the scale ``2 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0-7; bit 3 is the sign
 
 
-def unpack_int32(words: Any, bits: int, dim: int, interleave: tuple[int, ...] | None = None) -> Any:
+def unpack_int32(words: torch.Tensor, bits: int, dim: int, interleave: tuple[int, ...] | None = None) -> torch.Tensor:
     """Unpack ``32 // bits`` unsigned fields per int32 along ``dim`` (LSB first): the result has
     ``dim`` longer by the pack factor. ``interleave[e]`` is the field holding element ``e``."""
     import torch
@@ -30,7 +33,7 @@ def unpack_int32(words: Any, bits: int, dim: int, interleave: tuple[int, ...] | 
     return fields.reshape(shape)
 
 
-def fp4_values(packed: Any) -> Any:
+def fp4_values(packed: torch.Tensor) -> torch.Tensor:
     """Bytes holding two e2m1 codes each (low nibble first) as float32 values, the last dimension doubled."""
     import torch
 
@@ -39,7 +42,7 @@ def fp4_values(packed: Any) -> Any:
     return magnitude[codes & 7] * torch.where(codes & 8 > 0, -1.0, 1.0)
 
 
-def e8m0_values(scales: Any) -> Any:
+def e8m0_values(scales: torch.Tensor) -> torch.Tensor:
     """e8m0 scales (uint8 bytes, or torch float8_e8m0fnu) as float32 ``2 ** (e - 127)``."""
     import torch
 
@@ -47,6 +50,6 @@ def e8m0_values(scales: Any) -> Any:
     return torch.exp2(raw.float() - 127.0)
 
 
-def groups_expand(scale: Any, group: int, width: int) -> Any:
+def groups_expand(scale: torch.Tensor, group: int, width: int) -> torch.Tensor:
     """Per-group scales ``[..., groups]`` over ``width`` values: each repeated ``group`` times."""
     return scale.repeat_interleave(group, dim=-1)[..., :width]

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..layout.quantized import Scheme
-from .config import QuantConfig, group_size_field, ignore_list, int_field, names
+from .config import KVParam, QuantConfig, group_size_field, ignore_list, int_field, names
 from .fp8 import Fp8Scheme, Int8Scheme, scale_geometry
 from .kv import CACHE_SCALES, COMPRESSED_TENSORS_KV, OPTIONAL_KV
 from .mxfp4 import compressed_tensors_mxfp4
@@ -73,7 +73,7 @@ def parse_compressed_tensors(qc: Mapping[str, Any]) -> QuantConfig:
     )
 
 
-def _kv(scheme: Any) -> tuple[Any, ...]:
+def _kv(scheme: object) -> tuple[KVParam, ...]:
     """compressed-tensors' KV-cache parameters; per-head scales are not supported."""
     if isinstance(scheme, Mapping) and str(scheme.get("strategy", "tensor")).lower() != "tensor":
         raise ConfigError(

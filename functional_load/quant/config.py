@@ -13,7 +13,7 @@ import dataclasses
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from ..errors import ConfigError
 from ..layout.quantized import Scheme
@@ -32,7 +32,7 @@ class QuantConfig:
     targets: tuple[tuple[str, Scheme], ...] = ()  # (regex or name, scheme), compressed-tensors
     kv_params: tuple[KVParam, ...] = ()  # the attention layer's KV-cache parameters
     mapping: tuple[MappingTable, ...] = ()
-    kinds: tuple[str, ...] = ("linear", "experts")  # what the method quantizes (gpt-oss MXFP4: experts only)
+    kinds: tuple[Literal["linear", "experts"], ...] = ("linear", "experts")  # what the method quantizes (gpt-oss MXFP4: experts only)
     optional: tuple[tuple[str, str], ...] = ()  # (regex of a mapped name, why): dropped when no parameter takes it
     # GPTQ: the checkpoint modules that are quantized (a module is when one of these is part of its
     # name, as vLLM matches them); None: every module the ignore list leaves. ``detect``: learn them
@@ -92,14 +92,14 @@ def matches(patterns: Sequence[str], name: str) -> bool:
     return False
 
 
-def int_field(value: Any, what: str) -> int:
+def int_field(value: object, what: str) -> int:
     """An integer field of quantization_config (not a bool, a float or a string)."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"config.json quantization_config {what} must be an integer, found {value!r:.60}")
     return value
 
 
-def names(value: Any, what: str) -> tuple[str, ...]:
+def names(value: object, what: str) -> tuple[str, ...]:
     """A list of module names or ``re:`` regexes (an ignore list, compressed-tensors targets),
     checked here so that matching them against module names cannot fail later."""
     if not value:
@@ -132,7 +132,7 @@ def ignore_list(qc: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(out)
 
 
-def group_size_field(value: Any, what: str = "group_size") -> int:
+def group_size_field(value: object, what: str = "group_size") -> int:
     """A quantization group size: a positive integer, or -1 for one group (0 is an error, not per-channel)."""
     group = -1 if value is None else int_field(value, what)
     if not (group == -1 or group > 0):

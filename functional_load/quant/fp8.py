@@ -17,11 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from ..errors import ConfigError
 from ..layout.experts import from_linears
 from ..layout.parallel import Parallel
+from ..layout.param import ParamSpec
 from ..layout.quantized import FP8_DTYPES, Experts, Get, Linear, ParamDef
 from ..layout.scales import Blocked, ExpertBlocks, Slots
 from ..layout.sharding import Replicated, Sharding, Split
@@ -30,22 +31,29 @@ from .config import QuantConfig, ignore_list, int_field
 from .fp8_targets import experts_to_target, linear_to_target, quantize_dense
 from .kv import BASE_KV, CACHE_SCALES, OPTIONAL_KV
 
-STRATEGIES = ("tensor", "channel", "block")
-BLOCK_RULES = ("strict", "fp8", "none")
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+    import torch
+
+Strategy = Literal["tensor", "channel", "block"]
+BlockRule = Literal["strict", "fp8", "none"]  # the block-shape check (layout.scales.Blocked's rule)
+STRATEGIES: tuple[Strategy, ...] = ("tensor", "channel", "block")
+BLOCK_RULES: tuple[BlockRule, ...] = ("strict", "fp8", "none")
 
 
 @dataclass(frozen=True, slots=True)
 class TensorScale:
     """One scale per logical shard of a fused linear (per tensor)."""
 
-    name = "tensor"
+    name: ClassVar[Literal["tensor"]] = "tensor"
 
 
 @dataclass(frozen=True, slots=True)
 class ChannelScale:
     """One scale per output row (``[out, 1]``)."""
 
-    name = "channel"
+    name: ClassVar[Literal["channel"]] = "channel"
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +62,7 @@ class BlockScale:
 
     rows: int
     cols: int
-    name = "block"
+    name: ClassVar[Literal["block"]] = "block"
 
     def __post_init__(self) -> None:
         if not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in (self.rows, self.cols)):
@@ -94,14 +102,14 @@ class Fp8Scheme(BaseScheme):
     scale_name: str = "weight_scale"
     scale_dtype: str = "float32"
     online: bool = False
-    block_rule: str = "strict"
+    block_rule: BlockRule = "strict"
 
     def __post_init__(self) -> None:
         if self.block_rule not in BLOCK_RULES:
             raise ConfigError(f"unknown block rule {self.block_rule!r}")
 
     @property
-    def strategy(self) -> str:
+    def strategy(self) -> Strategy:
         return self.geometry.name
 
     @property
@@ -165,7 +173,7 @@ class Fp8Scheme(BaseScheme):
 
         return from_linears(self, experts, model_dtype, fix)
 
-    def dequantize(self, get: Get, specs: Mapping[str, Any], parallel: Parallel, target: str = "checkpoint") -> Any:
+    def dequantize(self, get: Get, specs: Mapping[str, ParamSpec], parallel: Parallel, target: str = "checkpoint") -> torch.Tensor:
         import torch
 
         weight = get("weight").float()
@@ -191,7 +199,7 @@ class Fp8Scheme(BaseScheme):
             scale_rows[r0:r1] = scale[b0:b1].repeat_interleave(bn, dim=0)[: r1 - r0]
         return weight * scale_rows.repeat_interleave(bk, dim=1)[:, :cols]
 
-    def dequantize_experts(self, get: Get, stem: str, specs: Mapping[str, Any], parallel: Parallel) -> Any:
+    def dequantize_experts(self, get: Get, stem: str, specs: Mapping[str, ParamSpec], parallel: Parallel) -> torch.Tensor:
         weight, scale = get(f"{stem}_weight").float(), get(f"{stem}_{self.scale_name}").float()
         if self.strategy == "channel":
             return weight * scale
@@ -204,14 +212,16 @@ class Fp8Scheme(BaseScheme):
             return weight * per_row[:, :, None]
         return weight * scale.reshape(-1, 1, 1)
 
-    def apply_target(self, target: str, module: str, tensors: dict[str, Any], specs: Mapping[str, Any], parallel: Parallel) -> None:
+    def apply_target(
+        self, target: str, module: str, tensors: dict[str, torch.Tensor], specs: Mapping[str, ParamSpec], parallel: Parallel
+    ) -> None:
         if "routed_experts.w13_weight" in specs:
             experts_to_target(self, target, f"{module}.routed_experts.", tensors)
         else:
             widths = tuple(b - a for _, (a, b) in specs["weight"].local_pieces(parallel))
             linear_to_target(self, target, module, tensors, widths)
 
-    def quantize(self, dense: Any, specs: Mapping[str, Any], parallel: Parallel) -> dict[str, Any]:
+    def quantize(self, dense: torch.Tensor, specs: Mapping[str, ParamSpec], parallel: Parallel) -> dict[str, torch.Tensor]:
         return quantize_dense(self, dense, specs, parallel)
 
     def box_dequantizer(self) -> Fp8Boxes | None:
@@ -241,7 +251,7 @@ class Fp8Boxes:
         bn, bk = geometry.size
         return ((r0 // bn, -(-r1 // bn)), (c0 // bk, -(-c1 // bk)))
 
-    def apply(self, weight: Any, scales: Mapping[str, Any], box: tuple[tuple[int, int], ...]) -> Any:
+    def apply(self, weight: np.ndarray, scales: Mapping[str, np.ndarray], box: tuple[tuple[int, int], ...]) -> npt.NDArray[np.float32]:
         import numpy as np
 
         from .fp8_kernels import dequantize_box
@@ -274,7 +284,7 @@ class Int8Scheme(Fp8Scheme):
         return "int8"
 
 
-def _expand_blocks(scale: Any, shape: tuple[int, ...], grid: tuple[int, int], halves: bool) -> Any:
+def _expand_blocks(scale: torch.Tensor, shape: tuple[int, ...], grid: tuple[int, int], halves: bool) -> torch.Tensor:
     """Block scales ``[E, rows, cols]`` over a weight ``[E, out, in]``: each scale covers a ``grid``
     block; w13's scale rows are w1's blocks, then w3's, each half of the weight."""
     import torch

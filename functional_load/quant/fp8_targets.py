@@ -14,15 +14,32 @@ output segment). The kernels are the jitted functions of :mod:`.fp8_kernels`.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import cache
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 from ..dlpack import to_jax, to_torch
 from ..layout.parallel import Parallel
+from ..layout.param import ParamSpec
+
+if TYPE_CHECKING:
+    import torch
 
 
-def linear_to_target(scheme: Any, target: str, module: str, out: dict[str, Any], widths: tuple[int, ...]) -> None:
+class Fp8Like(Protocol):
+    """What the transforms read of an FP8 scheme (:class:`.fp8.Fp8Scheme`, which imports this module)."""
+
+    @property
+    def scale_name(self) -> str: ...
+
+    @property
+    def strategy(self) -> str: ...
+
+    @property
+    def block_size(self) -> tuple[int, int]: ...
+
+
+def linear_to_target(scheme: Fp8Like, target: str, module: str, out: dict[str, torch.Tensor], widths: tuple[int, ...]) -> None:
     """One FP8 linear's tensors (``out``, by full name) in ``target``'s layout."""
     import torch
 
@@ -46,7 +63,7 @@ def linear_to_target(scheme: Any, target: str, module: str, out: dict[str, Any],
     out[weight_name], out[scale_name] = to_torch(weight), scale
 
 
-def experts_to_target(scheme: Any, target: str, prefix: str, out: dict[str, Any]) -> None:
+def experts_to_target(scheme: Fp8Like, target: str, prefix: str, out: dict[str, torch.Tensor]) -> None:
     """An FP8 MoE layer's fused experts (``prefix`` = ``<layer>.experts.routed_experts.``) in
     ``target``'s layout; channel and block scales keep theirs."""
     import torch
@@ -72,7 +89,7 @@ def experts_to_target(scheme: Any, target: str, prefix: str, out: dict[str, Any]
         out[w13_scale] = out[w13_scale].new_empty((0,))
 
 
-def quantize_dense(scheme: Any, dense: Any, specs: Mapping[str, Any], parallel: Parallel) -> dict[str, Any]:
+def quantize_dense(scheme: Fp8Like, dense: torch.Tensor, specs: Mapping[str, ParamSpec], parallel: Parallel) -> dict[str, torch.Tensor]:
     """``{suffix: tensor}`` of one linear quantized from ``dense`` (its rank-local weight).
 
     Per-tensor: one ``amax / 448`` scale for the whole local weight, stored in every shard slot
@@ -99,7 +116,7 @@ def quantize_dense(scheme: Any, dense: Any, specs: Mapping[str, Any], parallel: 
 
 
 @cache
-def _malloc_trim() -> Any:
+def _malloc_trim() -> Callable[[int], int] | None:
     try:
         return ctypes.CDLL(None).malloc_trim  # glibc
     except (AttributeError, OSError, TypeError):

@@ -15,11 +15,12 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
 from ..layout.experts import biases, from_linears, w13_split
 from ..layout.parallel import Parallel
+from ..layout.param import ParamSpec
 from ..layout.quantized import Experts, Get, Linear, ParamDef, groups_of
 from ..layout.scales import Shared
 from ..model.mapping import MappingTable
@@ -28,6 +29,9 @@ from .codes import unpack_int32
 from .config import QuantConfig, group_size_field, ignore_list, int_field, names
 from .kv import CACHE_SCALES, OPTIONAL_KV
 from .pack import group_index, group_split, per_group
+
+if TYPE_CHECKING:
+    import torch
 
 # Without act-order g_idx is the trivial i // group_size; vLLM drops it.
 DROP_G_IDX = MappingTable.from_dicts(suffix={".g_idx": None})
@@ -70,7 +74,7 @@ class GptqScheme(BaseScheme):
         w13 = w13_split(experts.intermediate, False)
         return from_linears(self, experts, model_dtype) + biases(experts, model_dtype, "all", w13, default=0.0)
 
-    def dequantize(self, get: Get, specs: Mapping[str, Any], parallel: Parallel, target: str = "checkpoint") -> Any:
+    def dequantize(self, get: Get, specs: Mapping[str, ParamSpec], parallel: Parallel, target: str = "checkpoint") -> torch.Tensor:
         import torch
 
         q = unpack_int32(get("qweight"), self.bits, dim=0)  # [in, out]
@@ -109,7 +113,7 @@ def parse_gptq(qc: Mapping[str, Any], v2: bool | None = None) -> QuantConfig:
                        quantized=quantized, detect=True, skip=dynamic_skips(qc.get("dynamic")))
 
 
-def dynamic_skips(dynamic: Any) -> tuple[str, ...]:
+def dynamic_skips(dynamic: object) -> tuple[str, ...]:
     """The modules GPTQ's ``dynamic`` rules build unquantized: each ``"-:<regex>"`` key, matched
     (``re.match``) on vLLM's module name as vLLM matches it (gptq_utils.get_dynamic_override).
     Positive rules that override a module's bits or group size are refused: they are not

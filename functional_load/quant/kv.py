@@ -7,10 +7,13 @@ a checkpoint must be finite and positive.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..model.mapping import MappingTable
 from .config import KVParam
+
+if TYPE_CHECKING:
+    import torch
 
 # vLLM's KV-cache scale names (``QuantizationConfig.get_cache_scale_mapper`` + Fp8/Quark/ModelOpt output scales).
 CACHE_SCALES = MappingTable.from_dicts(
@@ -39,7 +42,7 @@ COMPRESSED_TENSORS_KV: tuple[KVParam, ...] = (
 OPTIONAL_KV = ((r"\.[qkv]_(scale|zero_point)$", "the quantization method has no such KV-cache parameter (vLLM ignores it)"),)
 
 
-def kv_to_target(target: str, module: str, out: dict[str, Any]) -> None:
+def kv_to_target(target: str, module: str, out: dict[str, torch.Tensor]) -> None:
     """vLLM's ``BaseKVCacheMethod.process_weights_after_loading`` for one attention layer: both
     scales present (positive) stay; neither (vLLM's -1.0) becomes 1.0; one alone serves both; on
     ROCm (FNUZ) both double."""

@@ -11,12 +11,16 @@ rank), one per expert and shard for fused experts.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
 from ..layout.parallel import Parallel
+from ..layout.param import ParamSpec
 from ..layout.quantized import Linear, ParamDef
 from ..layout.scales import Slots
+
+if TYPE_CHECKING:
+    import torch
 
 
 def grouped_params(
@@ -40,12 +44,12 @@ def per_shard(name: str, linear: Linear, role: str) -> ParamDef:
     return ParamDef(name, (len(ids),), Slots(ids), "float32", check="positive", role=role)
 
 
-def expand_groups(values: Any, scales: Any, group: int) -> Any:
+def expand_groups(values: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
     """Values ``[..., n]`` times their group scales ``[..., n / group]`` (float32)."""
     return values * scales.float().repeat_interleave(group, dim=-1)[..., : values.shape[-1]]
 
 
-def per_row(scales: Any, specs: Mapping[str, Any], weight: str, parallel: Parallel, rows: int) -> Any:
+def per_row(scales: torch.Tensor, specs: Mapping[str, ParamSpec], weight: str, parallel: Parallel, rows: int) -> torch.Tensor:
     """One per-shard scale per row of a rank-local fused weight (``[rows, 1]``), from its segments."""
     import torch
 
@@ -55,7 +59,7 @@ def per_row(scales: Any, specs: Mapping[str, Any], weight: str, parallel: Parall
     return out[:, None]
 
 
-def per_expert_row(scales: Any, rows: int, halves: bool) -> Any:
+def per_expert_row(scales: torch.Tensor, rows: int, halves: bool) -> torch.Tensor:
     """Per-expert scales (``[E, 2]``: w1's then w3's, over each half of the rows; or ``[E]``) as ``[E, rows, 1]``."""
     if halves and scales.dim() == 2:
         return scales.float().repeat_interleave(rows // 2, dim=1)[:, :, None]

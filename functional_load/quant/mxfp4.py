@@ -17,18 +17,22 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
 from ..layout.expert_sharding import Grouped
 from ..layout.experts import biases, w2_split, w13_split
 from ..layout.parallel import Parallel
+from ..layout.param import ParamSpec
 from ..layout.quantized import Experts, Get, Linear, ParamDef
 from ..layout.sharding import Sharding
 from .base import BaseScheme
 from .codes import e8m0_values, fp4_values
 from .config import QuantConfig, ignore_list
 from .microscaling import expand_groups, grouped_params
+
+if TYPE_CHECKING:
+    import torch
 
 BLOCK = 32  # values per MXFP4 block: one e8m0 scale, 16 bytes of packed 4-bit values
 
@@ -46,10 +50,10 @@ class Mxfp4Scheme(BaseScheme):
     def linear_params(self, linear: Linear, model_dtype: str) -> list[ParamDef]:
         return grouped_params(linear, self.weight, "uint8", ("uint8",), 2, BLOCK, "uint8", "e8m0")
 
-    def dequantize(self, get: Get, specs: Mapping[str, Any], parallel: Parallel, target: str = "checkpoint") -> Any:
+    def dequantize(self, get: Get, specs: Mapping[str, ParamSpec], parallel: Parallel, target: str = "checkpoint") -> torch.Tensor:
         return mx_values(fp4_values(get(self.weight)), get("weight_scale"))
 
-    def dequantize_experts(self, get: Get, stem: str, specs: Mapping[str, Any], parallel: Parallel) -> Any:
+    def dequantize_experts(self, get: Get, stem: str, specs: Mapping[str, ParamSpec], parallel: Parallel) -> torch.Tensor:
         return mx_values(fp4_values(get(f"{stem}_{self.weight}")), get(f"{stem}_weight_scale"))
 
 
@@ -65,7 +69,7 @@ def quark_mxfp4(weight: Mapping[str, Any], inputs: Mapping[str, Any]) -> Mxfp4Sc
     return Mxfp4Scheme("weight")
 
 
-def _check_group(group: Any, what: str) -> None:
+def _check_group(group: object, what: str) -> None:
     if group not in (None, BLOCK):
         raise ConfigError(f"config.json: {what} has group_size {group!r}; the OCP MX format has {BLOCK}-value groups")
 
@@ -98,14 +102,14 @@ class Mxfp4ExpertsScheme(BaseScheme):
             params += biases(experts, model_dtype, experts.bias, w13_split(inter, experts.interleaved, BLOCK, uneven=True))
         return params
 
-    def dequantize(self, get: Get, specs: Mapping[str, Any], parallel: Parallel, target: str = "checkpoint") -> Any:
+    def dequantize(self, get: Get, specs: Mapping[str, ParamSpec], parallel: Parallel, target: str = "checkpoint") -> torch.Tensor:
         raise ConfigError("the mxfp4 method quantizes MoE experts only; dequantize the experts module")
 
-    def dequantize_experts(self, get: Get, stem: str, specs: Mapping[str, Any], parallel: Parallel) -> Any:
+    def dequantize_experts(self, get: Get, stem: str, specs: Mapping[str, ParamSpec], parallel: Parallel) -> torch.Tensor:
         return mx_values(fp4_values(get(f"{stem}_weight")), get(f"{stem}_weight_scale"))
 
 
-def mx_values(values: Any, scales: Any) -> Any:
+def mx_values(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """Values ``[..., n]`` times their e8m0 block scales ``[..., n / 32]``."""
     return expand_groups(values, e8m0_values(scales), BLOCK)
 

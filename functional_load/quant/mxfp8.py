@@ -10,14 +10,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
 from ..layout.parallel import Parallel
+from ..layout.param import ParamSpec
 from ..layout.quantized import FP8_DTYPES, Get, Linear, ParamDef
 from .base import BaseScheme
 from .codes import e8m0_values
 from .microscaling import expand_groups, grouped_params
+
+if TYPE_CHECKING:
+    import torch
 
 GROUP = 32
 
@@ -31,10 +35,10 @@ class Mxfp8Scheme(BaseScheme):
     def linear_params(self, linear: Linear, model_dtype: str) -> list[ParamDef]:
         return grouped_params(linear, "weight", "float8_e4m3fn", FP8_DTYPES, 1, GROUP, "uint8", "e8m0")
 
-    def dequantize(self, get: Get, specs: Mapping[str, Any], parallel: Parallel, target: str = "checkpoint") -> Any:
+    def dequantize(self, get: Get, specs: Mapping[str, ParamSpec], parallel: Parallel, target: str = "checkpoint") -> torch.Tensor:
         return expand_groups(get("weight").float(), e8m0_values(get("weight_scale")), GROUP)
 
-    def dequantize_experts(self, get: Get, stem: str, specs: Mapping[str, Any], parallel: Parallel) -> Any:
+    def dequantize_experts(self, get: Get, stem: str, specs: Mapping[str, ParamSpec], parallel: Parallel) -> torch.Tensor:
         return expand_groups(get(f"{stem}_weight").float(), e8m0_values(get(f"{stem}_weight_scale")), GROUP)
 
 

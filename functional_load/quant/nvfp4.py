@@ -17,14 +17,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
 from ..layout.parallel import Parallel
+from ..layout.param import ParamSpec
 from ..layout.quantized import FP8_DTYPES, Get, Linear, ParamDef
 from .base import BaseScheme
 from .codes import fp4_values
 from .microscaling import expand_groups, grouped_params, per_expert_row, per_row, per_shard
+
+if TYPE_CHECKING:
+    import torch
 
 GROUP = 16
 
@@ -57,17 +61,17 @@ class Nvfp4Scheme(BaseScheme):
             params.append(per_shard(input_scale, linear, "input_global_scale"))
         return params
 
-    def _values(self, packed: Any, scales: Any, global_rows: Any) -> Any:
+    def _values(self, packed: torch.Tensor, scales: torch.Tensor, global_rows: torch.Tensor) -> torch.Tensor:
         """As vLLM's emulation: each group scale with the global one first, then the values."""
         combined = scales.float() * global_rows if self.modelopt else scales.float() / global_rows
         return expand_groups(fp4_values(packed), combined, GROUP)
 
-    def dequantize(self, get: Get, specs: Mapping[str, Any], parallel: Parallel, target: str = "checkpoint") -> Any:
+    def dequantize(self, get: Get, specs: Mapping[str, ParamSpec], parallel: Parallel, target: str = "checkpoint") -> torch.Tensor:
         weight, global_scale, _ = self.names
         packed = get(weight)
         return self._values(packed, get("weight_scale"), per_row(get(global_scale), specs, weight, parallel, packed.shape[0]))
 
-    def dequantize_experts(self, get: Get, stem: str, specs: Mapping[str, Any], parallel: Parallel) -> Any:
+    def dequantize_experts(self, get: Get, stem: str, specs: Mapping[str, ParamSpec], parallel: Parallel) -> torch.Tensor:
         weight, global_scale, _ = self.names
         packed = get(f"{stem}_{weight}")
         rows = per_expert_row(get(f"{stem}_{global_scale}"), packed.shape[1], halves=stem == "w13")

@@ -12,14 +12,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..layout.parallel import Parallel
+from ..layout.param import ParamSpec
 from ..layout.quantized import Get, Linear, ParamDef, groups_of
 from ..layout.scales import Pick
 from ..layout.sharding import Replicated, Sharding
 from .base import BaseScheme
 from .codes import unpack_int32
+
+if TYPE_CHECKING:
+    import torch
 
 INTEGERS = ("int64", "int32", "int16", "int8", "uint8")
 
@@ -54,7 +58,7 @@ class PackScheme(BaseScheme):
                                stored=INTEGERS, role="shape"))
         return params
 
-    def dequantize(self, get: Get, specs: Mapping[str, Any], parallel: Parallel, target: str = "checkpoint") -> Any:
+    def dequantize(self, get: Get, specs: Mapping[str, ParamSpec], parallel: Parallel, target: str = "checkpoint") -> torch.Tensor:
         offset = 1 << (self.bits - 1)
         scale = get("weight_scale").float()
         q = unpack_int32(get("weight_packed"), self.bits, dim=1) - offset
@@ -62,13 +66,13 @@ class PackScheme(BaseScheme):
         in_size = q.shape[1] if scale.shape[1] == 1 else scale.shape[1] * self.group_size
         q = q[:, :in_size]
         g = group_index(in_size, self.group_size, scale.shape[1])
-        zero = 0
+        zero: torch.Tensor | int = 0
         if not self.symmetric:
             zero = (unpack_int32(get("weight_zero_point"), self.bits, dim=0)[:out] - offset)[:, g]
         return (q - zero).float() * scale[:, g]
 
 
-def group_index(n: int, group_size: int, groups: int) -> Any:
+def group_index(n: int, group_size: int, groups: int) -> torch.Tensor:
     """The quantization group of each of ``n`` input positions."""
     import torch
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from ..layout.axes import Arrangement, AxisRead, Range, read_axes
 from ..plan.rotary import to_halves, to_pairs
@@ -44,7 +44,7 @@ def _axis_ops(block: np.ndarray, reads: tuple[AxisRead, ...]) -> np.ndarray:
 
 
 def arrange_block(
-    arrangement: Arrangement, index: tuple[Range, ...], read: Read, dtype: Any, scale: float | None = None
+    arrangement: Arrangement, index: tuple[Range, ...], read: Read, dtype: npt.DTypeLike, scale: float | None = None
 ) -> np.ndarray:
     """The block of the leaf at ``index`` (one range per target dimension), as ``dtype``."""
     out = np.zeros(tuple(b - a for a, b in index), dtype=dtype)
@@ -68,5 +68,5 @@ def arrange_block(
     return out
 
 
-def block_bytes(index: tuple[Range, ...], dtype: Any) -> int:
+def block_bytes(index: tuple[Range, ...], dtype: npt.DTypeLike) -> int:
     return math.prod(b - a for a, b in index) * np.dtype(dtype).itemsize

@@ -7,13 +7,17 @@ module's scheme; the scheme's format module (:mod:`functional_load.quant`) does 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from ..errors import LoadError
+from ..layout.param import ParamSpec
+
+if TYPE_CHECKING:
+    import torch
 
 
-def dequantize(state: Mapping[str, Any], module_prefix: str) -> Any:
+def dequantize(state: Mapping[str, torch.Tensor], module_prefix: str) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """The dense float32 weight ``[out_local, in_local]`` of a rank-local linear module, or for an
     MoE layer's experts (``"model.layers.1.mlp.experts"``) the pair ``(w13, w2)``: ``w13
     [E_local, 2 * I_local, H]`` (gate rows then up rows, or interleaved as gpt-oss stores them)
@@ -51,13 +55,13 @@ def dequantize(state: Mapping[str, Any], module_prefix: str) -> Any:
     return scheme.dequantize(get, specs, parallel, target)
 
 
-def _specs(plan: Any, prefix: str) -> dict[str, Any]:
+def _specs(plan: Any, prefix: str) -> dict[str, ParamSpec]:  # a Plan; the caller knows it is there only from the scheme
     """The plan's ParamSpecs under ``prefix``, by the rest of their names."""
     return {p.spec.name[len(prefix):]: p.spec for p in plan.params if p.spec.name.startswith(prefix)}
 
 
-def _getter(state: Mapping[str, Any], module: str) -> Any:
-    def get(suffix: str) -> Any:
+def _getter(state: Mapping[str, torch.Tensor], module: str) -> Callable[[str], torch.Tensor]:
+    def get(suffix: str) -> torch.Tensor:
         try:
             return state[f"{module}.{suffix}"]
         except KeyError:

@@ -7,9 +7,12 @@ The arithmetic is the format's (:meth:`functional_load.quant.base.BaseScheme.qua
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..plan.plan import ParamPlan, Plan
+
+if TYPE_CHECKING:
+    import torch
 
 
 def is_online_weight(plan: Plan, param: ParamPlan) -> bool:
@@ -18,7 +21,7 @@ def is_online_weight(plan: Plan, param: ParamPlan) -> bool:
     return scheme is not None and scheme.online and param.spec.role == "weight"
 
 
-def quantize_online(plan: Plan, param: ParamPlan, dense: Any) -> dict[str, Any]:
+def quantize_online(plan: Plan, param: ParamPlan, dense: torch.Tensor) -> dict[str, torch.Tensor]:
     """``{full name: tensor}`` of ``param``'s module, quantized from ``dense`` (its rank-local weight)."""
     module = param.spec.module
     scheme = plan.schemes[module]

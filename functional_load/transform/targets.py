@@ -16,11 +16,14 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
 from ..plan.plan import Plan
 from ..quant.kv import kv_to_target
+
+if TYPE_CHECKING:
+    import torch
 
 TARGETS = ("checkpoint", "cuda-fp8", "rocm-fp8")
 
@@ -30,7 +33,7 @@ def check_target(target: str) -> None:
         raise ConfigError(f"target={target!r} is not a known output layout; use one of {TARGETS}")
 
 
-def apply_target(plan: Plan, tensors: Mapping[str, Any], target: str) -> dict[str, Any]:
+def apply_target(plan: Plan, tensors: Mapping[str, torch.Tensor], target: str) -> dict[str, torch.Tensor]:
     """New tensors with the transforms of ``target`` applied (the input is not modified)."""
     check_target(target)
     if target == "checkpoint":
