@@ -65,7 +65,7 @@ def generate(config: str, root: Path, formats: str, reports: Path | None = None,
     """Real vLLM generates with each load format of ``formats`` (one engine each)."""
     tp = int(config.rsplit(".tp", 1)[1])
     out = root / f"{config}.json"
-    command = [str(env.ensure()), "-m", "harness.vllm_generate", str(model_dir(config, root)), str(out),
+    command = [str(env.ensure(plugin=True)), "-m", "harness.vllm_generate", str(model_dir(config, root)), str(out),
                "--tp", str(tp), "--load-formats", formats]
     command += ["--report-dir", str(reports)] if reports else []
     command += ["--saved", str(saved)] if saved else []

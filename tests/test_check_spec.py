@@ -16,6 +16,7 @@ import pytest
 
 from functional_load.cli import main as cli_main
 from functional_load.testing.checkspec import check_spec, report
+from functional_load.testing.parity import env
 from functional_load.testing.parity.record import Recorded
 
 SWAPPED = """
@@ -82,3 +83,19 @@ def test_the_cli_names_the_extra_check_spec_needs(monkeypatch, capsys):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a))
     assert cli_main(["check-spec", "llama", "--tp", "1"]) == 2
     assert "pip install 'functional_load[check]'" in capsys.readouterr().err
+
+
+def test_the_vllm_environment_outside_a_checkout(tmp_path, monkeypatch):
+    """An installed functional_load (no pyproject.toml beside the package) keeps the vLLM
+    environment in the user's cache and needs nothing of functional_load in it; only the load
+    format's harness, which installs the checkout, asks for one."""
+    monkeypatch.delenv("FUNCTIONAL_LOAD_VLLM_VENV", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert env.checkout() == env.ROOT and env.venv_dir() == env.ROOT / ".venv-vllm"  # this repository
+    monkeypatch.setattr(env, "ROOT", tmp_path / "site-packages")
+    assert env.checkout() is None
+    assert env.venv_dir() == tmp_path / "cache" / "functional_load" / "venv-vllm"
+    monkeypatch.setattr(env, "ready", lambda: True)
+    assert env.ensure() == env.venv_dir() / "bin" / "python"
+    with pytest.raises(env.SetupError, match="source checkout"):
+        env.ensure(plugin=True)

