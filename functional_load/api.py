@@ -12,7 +12,7 @@ import os
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .checkpoint import Checkpoint, paused_gc
 from .checkpoint.discover import checkpoint_format, discover
@@ -35,6 +35,9 @@ from .quant import online_quant_config, parse_quant_config
 from .storage import StoredPath, as_path, is_local
 from .transform.online import is_online_weight, quantize_online
 from .transform.targets import apply_target, check_target
+
+if TYPE_CHECKING:
+    import torch
 
 Model = str | Path | os.PathLike[str]
 
@@ -69,7 +72,7 @@ def _layout(
 
 
 def layout(
-    model: Model | Mapping[str, Any], *, tp_size: int = 1, rank: int = 0, options: LoadOptions = LoadOptions(), **overrides: Any
+    model: Model | Mapping[str, Any], *, tp_size: int = 1, rank: int = 0, options: LoadOptions = LoadOptions(), **overrides: object
 ) -> Layout:
     """Every parameter of one rank (names, shapes, dtypes, slice descriptors) from a config
     alone: ``model`` is a model directory, its ``config.json``, or a parsed config (e.g. a real
@@ -130,7 +133,7 @@ def _dummy_plan(model: Model | Mapping[str, Any], parallel: Parallel, opts: Load
 
 
 def plan(
-    model: Model | Mapping[str, Any], *, tp_size: int = 1, rank: int = 0, options: LoadOptions = LoadOptions(), **overrides: Any
+    model: Model | Mapping[str, Any], *, tp_size: int = 1, rank: int = 0, options: LoadOptions = LoadOptions(), **overrides: object
 ) -> Plan:
     """The validated load plan of one rank, from ``config.json`` and the weight-file headers only
     (no tensor data is read). ``options`` is a :class:`LoadOptions` (its fields may be given as
@@ -204,10 +207,10 @@ def load(
     *,
     tp_size: int = 1,
     rank: int = 0,
-    device: Any = "cpu",
+    device: str | int | torch.device = "cpu",
     target: str = "checkpoint",
     options: LoadOptions = LoadOptions(),
-    **overrides: Any,
+    **overrides: object,
 ) -> LoadedState:
     """The rank-local parameters of ``rank`` out of ``tp_size``, with vLLM's names and layouts.
 
@@ -243,7 +246,7 @@ def load(
 
 def save_sharded(
     source: Model | Iterable[LoadedState], out_dir: Model, tp_size: int | None = None, *, options: LoadOptions = LoadOptions(),
-    **overrides: Any,
+    **overrides: object,
 ) -> Path:
     """Save every rank of a layout to ``out_dir`` once, atomically, with a manifest of sizes,
     SHA-256 and the boxes each rank holds; ``load(out_dir, ...)`` reads it back at that tp size

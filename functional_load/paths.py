@@ -6,13 +6,14 @@ Shared by every stage that opens a file (config, index, manifest, weight files).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from .errors import FormatError, LoadError, SecurityError
 
 
-def strict_json_loads(text: str | bytes, what: str, parse_int: Any = None) -> Any:
+def strict_json_loads(text: str | bytes, what: str, parse_int: Callable[[str], object] | None = None) -> Any:
     """``json.loads`` that rejects duplicate keys and NaN/Infinity, which plain json silently accepts.
 
     ``parse_int``: an optional hook for integer literals (as ``json.loads``). Raises
@@ -23,7 +24,7 @@ def strict_json_loads(text: str | bytes, what: str, parse_int: Any = None) -> An
         if fast is not _UNSURE:
             return fast
 
-    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+    def pairs(items: list[tuple[str, object]]) -> dict[str, object]:
         out = dict(items)
         if len(out) != len(items):  # find the first repeated key
             seen: set[str] = set()
@@ -33,7 +34,7 @@ def strict_json_loads(text: str | bytes, what: str, parse_int: Any = None) -> An
                 seen.add(key)
         return out
 
-    def constant(name: str) -> Any:
+    def constant(name: str) -> NoReturn:
         raise FormatError(f"{what}: JSON constant {name} is not allowed (strict JSON only)")
 
     try:
@@ -71,7 +72,7 @@ def _plain_json(text: str | bytes) -> Any:
         return _UNSURE
 
 
-def _colons(value: Any) -> int:
+def _colons(value: object) -> int:
     """The ``:`` an escape-free JSON text of ``value`` holds: one per key, and those in its strings."""
     if isinstance(value, str):
         return value.count(":")

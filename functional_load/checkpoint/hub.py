@@ -26,7 +26,7 @@ import re
 from collections.abc import Callable, Iterable
 from fnmatch import fnmatchcase
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from ..errors import ConfigError, LoadError, MissingFileError, SecurityError
 from ..model.config import CONFIG
@@ -231,5 +231,5 @@ def _hub_call(fn: Callable[[], T], repo_id: str, revision: str | None, cache: st
         ) from exc
 
 
-def _first_line(exc: Any) -> str:
+def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, cast
+from typing import cast
 
 from ..dtypes import SAFETENSORS_DTYPES, itemsize
 from ..errors import CheckpointError, FormatError, IntegrityError, SecurityError
@@ -29,11 +29,11 @@ _LONG_DIGITS = b"0" * 20  # a run of 20 digits: an integer literal that may not 
 _ITEMSIZE = {code: itemsize(code) for code in SAFETENSORS_DTYPES}
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _parse_entry(path: StoredPath, name: str, entry: Any, data_start: int, file_size: int, stamp: Stamp) -> TensorInfo:
+def _parse_entry(path: StoredPath, name: str, entry: object, data_start: int, file_size: int, stamp: Stamp) -> TensorInfo:
     where = f"{path}: tensor {name!r}"
     if not isinstance(entry, dict):
         raise FormatError(f"{where}: expected an object with dtype/shape/data_offsets, found {entry!r:.200}")
@@ -64,7 +64,7 @@ def _parse_entry(path: StoredPath, name: str, entry: Any, data_start: int, file_
     return TensorInfo(name, dtype, tuple(shape), FileSpan(path, data_start + begin, end - begin, stamp))
 
 
-def _fast_entry(path: StoredPath, name: str, entry: Any, data_start: int, file_size: int, stamp: Stamp) -> TensorInfo | None:
+def _fast_entry(path: StoredPath, name: str, entry: object, data_start: int, file_size: int, stamp: Stamp) -> TensorInfo | None:
     """The entry of a well-formed header, or None: then :func:`_parse_entry` checks it in full
     (and names the problem). Accepts exactly what ``_parse_entry`` accepts."""
     if type(entry) is not dict or len(entry) != 3:
@@ -188,7 +188,7 @@ def _strict_header(path: StoredPath, text: str, data_start: int, file_size: int,
     ]
 
 
-def _fast_json(raw: bytes, text: str) -> tuple[dict[str, Any], int] | None:
+def _fast_json(raw: bytes, text: str) -> tuple[dict[str, object], int] | None:
     """The tensor entries of a well-formed header and the number of ``:`` its keys account for
     (less 3 per entry), parsed without the strict parser's hooks; None when anything is unusual
     (then :func:`_strict_header` decides). What the hooks would catch is ruled out first:
@@ -272,7 +272,7 @@ def _header_int(literal: str) -> int | float:
     return float(literal) if literal.startswith("-0") or value >= 1 << 64 else value
 
 
-def _check_name(path: StoredPath, name: Any) -> None:
+def _check_name(path: StoredPath, name: str) -> None:
     """Tensor names end up in error messages, logs and dict keys: keep them printable and bounded."""
     if not name or len(name) > MAX_NAME_LENGTH or not name.isprintable():
         raise FormatError(

@@ -13,13 +13,16 @@ import os
 import pickle
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..dtypes import TORCH_TO_SAFETENSORS
 from ..errors import CheckpointError, FormatError, IntegrityError, SecurityError
 from ..storage import StoredPath
 from ..storage.local import file_stamp
 from . import PickleEntry, TensorInfo
+
+if TYPE_CHECKING:
+    import torch
 
 MIN_TORCH = (2, 10)
 
@@ -65,7 +68,7 @@ def _refusal(exc: Exception) -> str:
     return " ".join(kept or lines)[:300]
 
 
-def safe_torch_load(path: Path) -> dict[str, Any]:
+def safe_torch_load(path: Path) -> dict[str, torch.Tensor]:
     """The ``{name: tensor}`` of one pickle checkpoint, memory-mapped, with every check above."""
     import torch
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from ..dtypes import SAFETENSORS_DTYPES, TORCH_TO_SAFETENSORS
 from ..errors import ConfigError, FormatError, IntegrityError
+from ..layout.parallel import Parallel
 from ..paths import strict_json_loads
 from ..storage import StoredPath, as_path, read_all, storage_for
 from . import Checkpoint, RankFiles, SavedBoxes, SavedPiece, TensorInfo
@@ -62,11 +63,11 @@ def read_manifest(directory: str | os.PathLike[str] | StoredPath) -> dict[str, A
     return manifest
 
 
-def _is_int(value: Any, low: int = 0) -> bool:
+def _is_int(value: object, low: int = 0) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
 
-def _is_box(value: Any) -> bool:
+def _is_box(value: object) -> bool:
     return isinstance(value, list) and all(
         isinstance(r, list) and len(r) == 2 and _is_int(r[0]) and _is_int(r[1]) and r[0] <= r[1] for r in value
     )
@@ -76,7 +77,7 @@ def _check_schema(path: StoredPath, manifest: Mapping[str, Any]) -> None:
     """Every field the loader reads has the type it expects; a FormatError names the first that
     does not (instead of a KeyError deep inside the reshard)."""
 
-    def need(ok: bool, where: str, value: Any) -> None:
+    def need(ok: bool, where: str, value: object) -> None:
         if not ok:
             raise FormatError(f"{path}: manifest field {where} is malformed (found {value!r:.80})")
 
@@ -183,7 +184,7 @@ def sharded_checkpoint(directory: str | os.PathLike[str] | StoredPath, manifest:
 
 
 def saved_rank(
-    directory: str | os.PathLike[str] | StoredPath, manifest: Mapping[str, Any], parallel: Any, params: Mapping[str, tuple[int, ...]]
+    directory: str | os.PathLike[str] | StoredPath, manifest: Mapping[str, Any], parallel: Parallel, params: Mapping[str, tuple[int, ...]]
 ) -> Checkpoint | None:
     """The rank's own file as a rank-local checkpoint, when this load is the saved one: the same
     tp size and expert placement, and the file holds exactly ``params`` (the layout's rank-local

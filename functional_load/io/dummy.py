@@ -11,12 +11,15 @@ reproducibility; here they are zero, as on ROCm.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..plan.plan import Dummy
 
+if TYPE_CHECKING:
+    import torch
 
-def initialize_dummy(tensor: Any, dummy: Dummy) -> None:
+
+def initialize_dummy(tensor: torch.Tensor, dummy: Dummy) -> None:
     """Fill ``tensor`` (a torch tensor, in place) with vLLM's dummy values for a parameter of its
     shape and dtype. The generator is on the tensor's device, as vLLM's is on the parameter's:
     CPU tensors (every load here) get vLLM's CPU values bit for bit."""

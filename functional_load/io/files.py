@@ -33,7 +33,7 @@ from ..layout.segments import Box
 from ..storage import Stamp, StoredPath
 from ..storage.local import file_stamp
 from .options import MiB, ReadOptions
-from .runs import Run, byte_runs, read_run
+from .runs import Run, box_runs, read_run
 
 _ALIGN = 4096
 
@@ -168,9 +168,7 @@ class PreadReader:
 
     def read_into(self, info: TensorInfo, box: Box, out: memoryview) -> None:
         """Fill ``out`` (a writable, C-contiguous byte buffer of the box's size) with ``box`` of ``info``."""
-        offsets, run = byte_runs(info.shape, box, itemsize(info.dtype))
-        if run * len(offsets) != out.nbytes:
-            raise ValueError(f"{info.name}: buffer of {out.nbytes} bytes for a box of {run * len(offsets)} bytes")
+        offsets, run = box_runs(info, box, out)
         if run == 0:
             return
         fd = self._files.fd(info)

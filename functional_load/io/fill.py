@@ -11,14 +11,18 @@ from __future__ import annotations
 import math
 import mmap
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..dtypes import to_torch, torch_itemsize, torch_name
 from ..errors import CheckpointError
+from ..layout.param import ParamSpec
 from ..layout.segments import Box, box_volume, full_box
 from ..plan.plan import Copy, ParamPlan, Plan
 from .dummy import initialize_dummy
 from .reader import Reader
+
+if TYPE_CHECKING:
+    import torch
 
 ALIGN = 64
 
@@ -27,14 +31,14 @@ def _index(box: Box) -> tuple[slice, ...]:
     return tuple(slice(a, b) for a, b in box)
 
 
-def _bytes(tensor: Any) -> memoryview:
+def _bytes(tensor: Any) -> memoryview:  # a torch.Tensor (untyped: numpy's 3.11 stubs give ndarray no __buffer__)
     """The memory of a contiguous CPU tensor as a writable byte buffer."""
     import torch
 
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
-def allocate(specs: list[Any]) -> dict[str, Any]:
+def allocate(specs: list[ParamSpec]) -> dict[str, torch.Tensor]:
     """One arena for all ``specs``: each tensor starts on a 64-byte boundary. The arena is
     private anonymous memory advised against transparent huge pages. Measured here with
     ``fl.load`` of a 2.1 GB checkpoint (fresh processes, medians of 3, quiet machine): hot tp 1
@@ -67,7 +71,7 @@ def allocate(specs: list[Any]) -> dict[str, Any]:
     return out
 
 
-def direct_bytes(plan: Plan, tensor: Any, copy: Copy) -> memoryview | None:
+def direct_bytes(plan: Plan, tensor: torch.Tensor, copy: Copy) -> memoryview | None:
     """The bytes of ``copy``'s destination in ``tensor`` when the source can be read straight into
     them (a contiguous slot of the source dtype, stored as read), else None."""
     dst = tensor[_index(copy.dst)]
@@ -78,7 +82,7 @@ def direct_bytes(plan: Plan, tensor: Any, copy: Copy) -> memoryview | None:
     return _bytes(dst)
 
 
-def copy_into(plan: Plan, tensor: Any, copy: Copy, reader: Reader) -> None:
+def copy_into(plan: Plan, tensor: torch.Tensor, copy: Copy, reader: Reader) -> None:
     """Fill one planned box of ``tensor``."""
 
     info = plan.tensors[copy.tensor]
@@ -96,7 +100,7 @@ _STAGING_BYTES = 32 << 20  # a thread keeps its staging buffer up to this size
 _stage = threading.local()
 
 
-def _staging(shape: tuple[int, ...], dtype: Any) -> Any:
+def _staging(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A box-sized buffer to read a cast or rearranged copy into: the thread's own, reused (fresh
     memory would be page-faulted again for every copy), or a new one past ``_STAGING_BYTES``."""
     import torch
@@ -110,7 +114,7 @@ def _staging(shape: tuple[int, ...], dtype: Any) -> Any:
     return buffer[:nbytes].view(dtype).view(shape)
 
 
-def prepare(param: ParamPlan, tensor: Any) -> None:
+def prepare(param: ParamPlan, tensor: torch.Tensor) -> None:
     """Defaults, zero boxes (vocabulary padding) and dummy values, before any copy."""
     if param.dummy is not None:
         initialize_dummy(tensor, param.dummy)
@@ -120,7 +124,7 @@ def prepare(param: ParamPlan, tensor: Any) -> None:
         tensor[_index(box)].zero_()
 
 
-def verify_shared(plan: Plan, param: ParamPlan, tensor: Any, reader: Reader) -> None:
+def verify_shared(plan: Plan, param: ParamPlan, tensor: torch.Tensor, reader: Reader) -> None:
     """Parts of a fused layer that must be identical (act-order ``g_idx``) are compared."""
     import torch
 
@@ -136,7 +140,7 @@ def verify_shared(plan: Plan, param: ParamPlan, tensor: Any, reader: Reader) -> 
             )
 
 
-def check_scale(plan: Plan, param: ParamPlan, tensor: Any) -> None:
+def check_scale(plan: Plan, param: ParamPlan, tensor: torch.Tensor) -> None:
     """A NaN, infinite, zero or negative scale would silently corrupt every dequantized weight: a
     parameter's ``check`` (data its format put on it) says what its values must be: ``"positive"``
     (finite and > 0), ``"finite"`` (integer group scales: some producers store negative ones on
@@ -163,7 +167,7 @@ def check_scale(plan: Plan, param: ParamPlan, tensor: Any) -> None:
         )
 
 
-def load_param(plan: Plan, param: ParamPlan, reader: Reader, dtype: str | None = None) -> Any:
+def load_param(plan: Plan, param: ParamPlan, reader: Reader, dtype: str | None = None) -> torch.Tensor:
     """One parameter of the plan's rank as a fresh CPU torch tensor (``dtype``: override the
     parameter's own, for online quantization); scales are checked."""
     import torch

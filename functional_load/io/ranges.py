@@ -13,11 +13,10 @@ from __future__ import annotations
 import numpy as np
 
 from ..checkpoint import FileSpan, TensorInfo
-from ..dtypes import itemsize
 from ..layout.segments import Box
 from ..storage import storage_for
 from .files import Tally, span_of
-from .runs import Run, byte_runs
+from .runs import Run, box_runs
 
 
 class StorageReader:
@@ -33,9 +32,7 @@ class StorageReader:
 
     def read_into(self, info: TensorInfo, box: Box, out: memoryview) -> None:
         """Fill ``out`` (writable, C-contiguous, the box's size) with ``box`` of ``info``."""
-        offsets, run = byte_runs(info.shape, box, itemsize(info.dtype))
-        if run * len(offsets) != out.nbytes:
-            raise ValueError(f"{info.name}: buffer of {out.nbytes} bytes for a box of {run * len(offsets)} bytes")
+        offsets, run = box_runs(info, box, out)
         if run == 0:
             return
         span = span_of(info)

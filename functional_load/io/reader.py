@@ -16,21 +16,25 @@ import os
 import threading
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..checkpoint import FileSpan, PickleEntry, SavedBoxes, SavedPiece, TensorInfo
+from ..checkpoint import FileSpan, FileStamp, PickleEntry, SavedBoxes, SavedPiece, TensorInfo
 from ..checkpoint.pickles import safe_torch_load
 from ..dtypes import itemsize
 from ..errors import IntegrityError, MissingFileError
 from ..layout.segments import Box, box_volume, swap_last
+from ..plan.plan import Plan
 from ..storage import StoredPath, is_local, storage_for
 from ..storage.local import file_stamp
 from .files import FileReader, MmapReader, PreadReader, Tally, check_unchanged, file_reader
 from .options import ReadOptions
 from .ranges import StorageReader
 from .runs import Run, byte_runs
+
+if TYPE_CHECKING:
+    import torch
 
 
 def _intersect(box: Box, other: Box) -> Box | None:
@@ -57,7 +61,7 @@ class Reader:
         self.remote = StorageReader(self.tally, options.max_over_read)  # files of any other storage
         self._checksums = dict(checksums or {})
         self._verified: set[StoredPath] = set()
-        self._pickles: dict[Path, dict[str, Any]] = {}
+        self._pickles: dict[Path, dict[str, torch.Tensor]] = {}
         self._lock = threading.Lock()
 
     @property
@@ -185,12 +189,12 @@ class Reader:
         self.close()
 
 
-def reader_for(plan: Any, options: ReadOptions | None = None) -> Reader:
+def reader_for(plan: Plan, options: ReadOptions | None = None) -> Reader:
     """The reader of ``plan``'s tensors, whatever their locations (use it as a context manager)."""
     return Reader(options or ReadOptions(), dict(plan.checksums))
 
 
-def _check_stamp(path: Path, stamp: Any, name: str) -> None:
+def _check_stamp(path: Path, stamp: FileStamp, name: str) -> None:
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -217,7 +221,7 @@ def file_spans(info: TensorInfo, box: Box) -> list[tuple[StoredPath, int, int]]:
     return []
 
 
-def verify_unchanged(plan: Any) -> None:
+def verify_unchanged(plan: Plan) -> None:
     """After reading: every file read is still the one indexed (an in-place rewrite during the
     load would otherwise go unnoticed)."""
     seen: set[StoredPath] = set()

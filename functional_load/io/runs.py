@@ -50,6 +50,14 @@ def byte_runs(shape: tuple[int, ...], box: Box, item: int) -> tuple[np.ndarray, 
     return offsets, run
 
 
+def box_runs(info: TensorInfo, box: Box, out: memoryview) -> tuple[np.ndarray, int]:
+    """:func:`byte_runs` of ``box`` of ``info``, checked against the size of ``out``."""
+    offsets, run = byte_runs(info.shape, box, itemsize(info.dtype))
+    if run * len(offsets) != out.nbytes:
+        raise ValueError(f"{info.name}: buffer of {out.nbytes} bytes for a box of {run * len(offsets)} bytes")
+    return offsets, run
+
+
 MAX_VIEWS = 512  # destinations per preadv call (Linux's IOV_MAX is 1024)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..checkpoint import TensorInfo
 from ..dtypes import itemsize, torch_itemsize
@@ -20,6 +20,9 @@ from ..layout.quantized import Scheme
 from ..layout.segments import Box, box_volume, full_box
 from ..storage import StoredPath
 from .rotary import to_halves
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +43,7 @@ class Copy:
     rotary: int = 0
     transform: str | None = None  # "neg_exp": the values are -exp(stored), in float32 (Mamba's A from A_log)
 
-    def arrange(self, block: Any, shape: tuple[int, ...]) -> Any:
+    def arrange(self, block: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         """``block`` (a torch tensor read as ``src``) in the destination's orientation and ``shape``."""
         if self.transform == "neg_exp":
             block = -block.float().exp()  # as vLLM's loader: -torch.exp(loaded.float())

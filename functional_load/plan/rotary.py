@@ -8,16 +8,18 @@ rows are the first dimension, ``head`` rows per head.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypeVar
 
 import einops
 
+ArrayT = TypeVar("ArrayT")  # torch, numpy or JAX: the rows come back as the same kind of array
 
-def to_halves(rows: Any, head: int) -> Any:
+
+def to_halves(rows: ArrayT, head: int) -> ArrayT:
     """Interleaved rotary pairs -> halves, for every ``head``-row head of ``rows``."""
     return einops.rearrange(rows, "(h d two) ... -> (h two d) ...", d=head // 2, two=2)
 
 
-def to_pairs(rows: Any, head: int) -> Any:
+def to_pairs(rows: ArrayT, head: int) -> ArrayT:
     """Halves -> interleaved rotary pairs (the inverse of :func:`to_halves`)."""
     return einops.rearrange(rows, "(h two d) ... -> (h d two) ...", d=head // 2, two=2)

@@ -15,18 +15,22 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..checkpoint import Checkpoint, TensorInfo
 from ..dtypes import torch_name
 from ..errors import ConfigError, PlanError
 from ..layout.axes import Arrangement, Axis, AxisRead, Range, read_axes
 from ..layout.quantized import BoxDequantizer, Quantization
-from ..model.expressions import Scope, evaluate
+from ..model.expressions import Expr, Scope, evaluate
 from ..model.mapping import ROTARY_CACHES
 from ..model.pattern import Groups, solve_sizes
-from ..model.targetmap import Rule, TargetMap, placeholders
+from ..model.targetmap import Rule, Take, TargetMap, placeholders
 from ..quant import parse_quant_config
+from ..storage import StoredPath
+
+if TYPE_CHECKING:
+    from jax.sharding import Sharding
 
 Piece = tuple[tuple[Range, ...], tuple[AxisRead | None, ...]]
 _FLOAT = ("float16", "bfloat16", "float32", "float64")
@@ -39,7 +43,7 @@ class Leaf:
     key: str
     shape: tuple[int, ...]
     dtype: str
-    sharding: Any  # a jax.sharding.Sharding
+    sharding: Sharding
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +90,7 @@ class TargetPlan:
     leaves: tuple[LeafPlan, ...]
     tensors: Mapping[str, TensorInfo]
     dropped: tuple[tuple[str, str], ...] = ()
-    checksums: Mapping[Any, str] = field(default_factory=dict)
+    checksums: Mapping[StoredPath, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tensors", MappingProxyType(dict(self.tensors)))
@@ -315,21 +319,21 @@ def _bind(template: str, bound: Mapping[str, int]) -> str:
     return template
 
 
-def _number(value: Any, scope: Scope, what: str) -> int | float:
+def _number(value: Expr, scope: Scope, what: str) -> int | float:
     result = evaluate(value, scope)
     if isinstance(result, bool) or not isinstance(result, (int, float)):
         raise ConfigError(f"{what} = {value!r} evaluated to {result!r}, not a number")
     return result
 
 
-def _int(value: Any, scope: Scope, what: str) -> int:
+def _int(value: Expr, scope: Scope, what: str) -> int:
     result = _number(value, scope, what)
     if not isinstance(result, int):
         raise ConfigError(f"{what} = {value!r} evaluated to {result!r}, not an integer")
     return result
 
 
-def _take(value: Any, scope: Scope, what: str) -> int | Range:
+def _take(value: Take, scope: Scope, what: str) -> int | Range:
     if isinstance(value, (tuple, list)) and len(value) == 2:
         return (_int(value[0], scope, what), _int(value[1], scope, what))
     return _int(value, scope, what)
