@@ -176,41 +176,45 @@ class Fp8Scheme(BaseScheme):
     def dequantize(self, get: Get, specs: Mapping[str, ParamSpec], parallel: Parallel, target: str = "checkpoint") -> torch.Tensor:
         import torch
 
-        weight = get("weight").float()
-        scale = get(self.scale_name).float()
+        weight = get("weight").float().numpy()
+        scale = get(self.scale_name).float().numpy()
         if target != "checkpoint" and self.strategy in ("tensor", "channel"):
             weight = weight.T  # kernel layouts hold [in, out]; a per-tensor scale is one scalar
             if self.strategy == "tensor":
-                return weight * scale
+                return torch.from_numpy(dequantize_cells(weight, [((0, weight.shape[0]), scale.reshape(1, 1), weight.shape)]))
+        rows, cols = weight.shape
         if self.strategy == "channel":
-            return weight * scale.reshape(-1, 1)
+            return torch.from_numpy(dequantize_cells(weight, [((0, rows), scale.reshape(-1, 1), (1, cols))]))
         pieces = specs["weight"].local_pieces(parallel)
         if self.strategy == "tensor":  # one scale per fused segment (in order), over that segment's rows
-            per_row = torch.empty(weight.shape[0])
-            for k, (_, (start, stop)) in enumerate(pieces):
-                per_row[start:stop] = scale.reshape(-1)[k]
-            return weight * per_row[:, None]
-        bn, bk = self.block_size  # block: each segment's scale blocks over its rows
-        rows, cols = weight.shape
-        weight_rows = dict(pieces)
-        scale_rows = torch.empty(rows, scale.shape[1])
-        for segment, (b0, b1) in specs[self.scale_name].local_pieces(parallel):
-            r0, r1 = weight_rows.get(segment, (0, rows))
-            scale_rows[r0:r1] = scale[b0:b1].repeat_interleave(bn, dim=0)[: r1 - r0]
-        return weight * scale_rows.repeat_interleave(bk, dim=1)[:, :cols]
+            flat = scale.reshape(-1)
+            cells = [((a, b), flat[k].reshape(1, 1), (b - a, cols)) for k, (_, (a, b)) in enumerate(pieces)]
+            return torch.from_numpy(dequantize_cells(weight, cells))
+        weight_rows = dict(pieces)  # block: each segment's scale blocks over its rows
+        blocks = [(weight_rows.get(segment, (0, rows)), scale[b0:b1], self.block_size) for segment, (b0, b1) in
+                  specs[self.scale_name].local_pieces(parallel)]
+        return torch.from_numpy(dequantize_cells(weight, blocks))
 
     def dequantize_experts(self, get: Get, stem: str, specs: Mapping[str, ParamSpec], parallel: Parallel) -> torch.Tensor:
-        weight, scale = get(f"{stem}_weight").float(), get(f"{stem}_{self.scale_name}").float()
+        import torch
+
+        weight, scale = get(f"{stem}_weight").float().numpy(), get(f"{stem}_{self.scale_name}").float().numpy()
+        experts, out, inp = weight.shape
+        halves = 2 if stem == "w13" else 1  # w13's rows: w1's, then w3's, each with its own scales
         if self.strategy == "channel":
-            return weight * scale
-        if self.strategy == "block":
-            experts, hidden = specs["w13_weight"].shape[1] // 2, specs["w13_weight"].shape[2]
-            grid = ExpertBlocks(experts, hidden, self.block_size, refine=self.block_rule == "fp8").grid(parallel.expert_tp)
-            return weight * _expand_blocks(scale, weight.shape, grid, halves=stem == "w13")
-        if stem == "w13" and scale.dim() == 2:  # a scale per expert and shard: w1's rows, then w3's
-            per_row = scale.repeat_interleave(weight.shape[1] // 2, dim=1)
-            return weight * per_row[:, :, None]
-        return weight * scale.reshape(-1, 1, 1)
+            cells = [((0, out), scale, (1, inp))]
+        elif self.strategy == "block":
+            hidden = specs["w13_weight"].shape[2]
+            grid = ExpertBlocks(specs["w13_weight"].shape[1] // 2, hidden, self.block_size, refine=self.block_rule == "fp8").grid(
+                parallel.expert_tp
+            )
+            half, per = out // halves, scale.shape[1] // halves
+            cells = [((h * half, (h + 1) * half), scale[:, h * per : (h + 1) * per], grid) for h in range(halves)]
+        elif stem == "w13" and scale.ndim == 2:  # a scale per expert and shard: w1's rows, then w3's
+            cells = [((h * out // 2, (h + 1) * out // 2), scale[:, h].reshape(experts, 1, 1), (out // 2, inp)) for h in range(2)]
+        else:
+            cells = [((0, out), scale.reshape(-1, 1, 1), (out, inp))]
+        return torch.from_numpy(dequantize_cells(weight, cells))
 
     def apply_target(
         self, target: str, module: str, tensors: dict[str, torch.Tensor], specs: Mapping[str, ParamSpec], parallel: Parallel
@@ -231,7 +235,7 @@ class Fp8Scheme(BaseScheme):
 @dataclass(frozen=True, slots=True)
 class Fp8Boxes:
     """Boxes of a stored FP8 (or INT8) weight and the scale cells that cover them:
-    ``W = q * scale``, in float32 by :func:`.fp8_kernels.dequantize_box` (jitted)."""
+    ``W = q * scale`` in float32 (:func:`dequantize_cells`, as every FP8 dequantization)."""
 
     scale: str
     geometry: ScaleGeometry
@@ -254,21 +258,17 @@ class Fp8Boxes:
     def apply(self, weight: np.ndarray, scales: Mapping[str, np.ndarray], box: tuple[tuple[int, int], ...]) -> npt.NDArray[np.float32]:
         import numpy as np
 
-        from .fp8_kernels import dequantize_box
-
         scale = np.asarray(scales[self.scale], dtype=np.float32)
-        (r0, _), (c0, _) = box
+        rows, cols = weight.shape
         geometry = self.geometry
         if isinstance(geometry, TensorScale):
-            grid, offset = (weight.shape[0], weight.shape[1]), (0, 0)
-            scale = scale.reshape(1, 1)
+            cells = ((0, rows), scale.reshape(1, 1), (rows, cols), (0, 0))
         elif isinstance(geometry, ChannelScale):
-            grid, offset = (1, weight.shape[1]), (0, 0)
-            scale = scale.reshape(-1, 1)
+            cells = ((0, rows), scale.reshape(-1, 1), (1, cols), (0, 0))
         else:
-            grid = geometry.size
-            offset = (r0 % grid[0], c0 % grid[1])
-        return np.asarray(dequantize_box(weight.astype(np.float32), scale, grid, offset))
+            (r0, _), (c0, _) = box
+            cells = ((0, rows), scale, geometry.size, (r0 % geometry.size[0], c0 % geometry.size[1]))
+        return dequantize_cells(weight.astype(np.float32), [cells])
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,17 +284,25 @@ class Int8Scheme(Fp8Scheme):
         return "int8"
 
 
-def _expand_blocks(scale: torch.Tensor, shape: tuple[int, ...], grid: tuple[int, int], halves: bool) -> torch.Tensor:
-    """Block scales ``[E, rows, cols]`` over a weight ``[E, out, in]``: each scale covers a ``grid``
-    block; w13's scale rows are w1's blocks, then w3's, each half of the weight."""
-    import torch
+Cells = tuple[tuple[int, int], "np.ndarray", tuple[int, int]] | tuple[tuple[int, int], "np.ndarray", tuple[int, int], tuple[int, int]]
 
-    rn, rk = grid
-    _, out, inp = shape
-    parts = scale.chunk(2, dim=1) if halves else (scale,)
-    rows = out // len(parts)
-    expanded = torch.cat([p.repeat_interleave(rn, dim=1)[:, :rows] for p in parts], dim=1)
-    return expanded.repeat_interleave(rk, dim=2)[:, :, :inp]
+
+def dequantize_cells(weight: np.ndarray, cells: Sequence[Cells]) -> npt.NDArray[np.float32]:
+    """``W = q * scale`` in float32, the one FP8 (and INT8) dequantization: each entry of ``cells``
+    is ``(rows, scale, grid[, offset])``: the weight rows ``[a, b)`` (of the last two dimensions;
+    leading ones, an expert's, go along) whose scales are ``scale``, each cell covering ``grid``
+    values, the rows starting ``offset`` values into their first cell (a box of a block-scaled
+    weight). Rows no entry covers are left uninitialised."""
+    import numpy as np
+
+    out = np.empty(weight.shape, dtype=np.float32)
+    cols = weight.shape[-1]
+    for entry in cells:
+        (a, b), scale, (gr, gc) = entry[:3]
+        r0, c0 = entry[3] if len(entry) == 4 else (0, 0)
+        expanded = np.repeat(np.repeat(np.asarray(scale, dtype=np.float32), gr, axis=-2), gc, axis=-1)
+        np.multiply(weight[..., a:b, :], expanded[..., r0 : r0 + b - a, c0 : c0 + cols], out=out[..., a:b, :], dtype=np.float32)
+    return out
 
 
 def parse_fp8(qc: Mapping[str, Any]) -> QuantConfig:

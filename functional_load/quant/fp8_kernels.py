@@ -165,12 +165,3 @@ def transpose(weight: jax.Array) -> jax.Array:
 def _transpose(weight: jax.Array) -> jax.Array:
     return weight.T
 
-
-@partial(jax.jit, static_argnames=("grid", "offset"))
-def dequantize_box(weight: jax.Array, scale: jax.Array, grid: tuple[int, int], offset: tuple[int, int]) -> jax.Array:
-    """``W = q * scale`` for a box of a weight: each scale cell covers a ``grid`` of values, the
-    box starting ``offset`` values into its first cell (block scales; per channel ``(1, cols)``,
-    per tensor the whole box)."""
-    rows, cols = weight.shape
-    expanded = jnp.repeat(jnp.repeat(scale.astype(jnp.float32), grid[0], axis=0), grid[1], axis=1)
-    return weight.astype(jnp.float32) * expanded[offset[0] : offset[0] + rows, offset[1] : offset[1] + cols]
