@@ -80,6 +80,21 @@ def test_modules_are_small() -> None:
     assert not big, big
 
 
+MAX_FUNCTION_LINES = 60
+
+
+def test_functions_are_short() -> None:
+    """No function (nested ones included, docstring counted) over 60 lines."""
+    long = {}
+    for path in MODULES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long[f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name}"] = lines
+    assert not long, long
+
+
 def test_deferred_imports_are_third_party_only() -> None:
     """A function-level import of the package's own modules would hide a cycle; only heavy
     third-party libraries (torch, jax, transformers...) and the jitted kernels are deferred."""

@@ -33,7 +33,7 @@ from .arrays import Progress, build_arrays
 if TYPE_CHECKING:
     import jax
     import torch
-    from jax.sharding import Mesh
+    from jax.sharding import Mesh, PartitionSpec
 
 
 def tp_axes_of(mesh: Mesh, tp_axis: str | Sequence[str]) -> tuple[str, ...]:
@@ -70,19 +70,13 @@ def _numpy(tensor: torch.Tensor) -> np.ndarray:
     return flat.view(to_numpy(name)).reshape(tuple(tensor.shape))
 
 
-def vllm_arrays(
-    plan_of: Callable[[int], Plan], mesh: Mesh, tp_axis: str | Sequence[str], reader: Reader, *, threads: int = 4,
-    bar: Progress | None = None,
-) -> dict[str, jax.Array]:
-    """Every parameter of vLLM's layout as a global array over ``mesh``; ``plan_of(rank)`` is
-    the plan of a tensor-parallel rank, asked only for this process's ranks."""
-    from jax.sharding import NamedSharding, PartitionSpec
+def _global_leaves(
+    plan_of: Callable[[int], Plan], first: Plan, local: list[int], mesh: Mesh, axes: tuple[str, ...], tp_size: int
+) -> tuple[list[Leaf], list[tuple[str, Placement]]]:
+    """The global array of every parameter of ``first`` (its shape, dtype and sharding over ``mesh``)
+    and each parameter's placement; ``ShardingError`` if this process's ranks hold blocks of different shapes."""
+    from jax.sharding import NamedSharding
 
-    axes = tp_axes_of(mesh, tp_axis)
-    tp_size = math.prod(mesh.shape[a] for a in axes)
-    entry: str | tuple[str, ...] = axes[0] if len(axes) == 1 else axes
-    local = local_tp_ranks(mesh, axes)
-    first = plan_of(local[0])
     leaves: list[Leaf] = []
     forms: list[tuple[str, Placement]] = []
     for param in first.params:
@@ -93,16 +87,40 @@ def vllm_arrays(
                 f"{spec.name}: ranks hold blocks of different shapes {sorted(shapes)}, which one global array "
                 f"cannot shard evenly (e.g. a number of experts that does not divide over the ranks)"
             )
-        shape, placement = spec.local_shape, spec.placement(first.parallel)
-        if isinstance(placement, Along):
-            d = placement.dim
-            global_shape, pspec = shape[:d] + (shape[d] * tp_size,) + shape[d + 1 :], PartitionSpec(*([None] * d + [entry]))
-        elif isinstance(placement, PerRank):
-            global_shape, pspec = (tp_size, *shape), PartitionSpec(entry)
-        else:
-            global_shape, pspec = shape, PartitionSpec()
+        placement = spec.placement(first.parallel)
+        global_shape, pspec = _global_form(spec.local_shape, placement, axes, tp_size)
         leaves.append(Leaf(spec.name, global_shape, spec.dtype, NamedSharding(mesh, pspec)))
         forms.append((spec.name, placement))
+    return leaves, forms
+
+
+def _global_form(
+    shape: tuple[int, ...], placement: Placement, axes: tuple[str, ...], tp_size: int
+) -> tuple[tuple[int, ...], PartitionSpec]:
+    """A rank block's global shape and ``PartitionSpec``: blocks back to back along the split
+    dimension, one entry per rank in a new leading one, or replicated."""
+    from jax.sharding import PartitionSpec
+
+    entry: str | tuple[str, ...] = axes[0] if len(axes) == 1 else axes
+    if isinstance(placement, Along):
+        d = placement.dim
+        return shape[:d] + (shape[d] * tp_size,) + shape[d + 1 :], PartitionSpec(*([None] * d + [entry]))
+    if isinstance(placement, PerRank):
+        return (tp_size, *shape), PartitionSpec(entry)
+    return shape, PartitionSpec()
+
+
+def vllm_arrays(
+    plan_of: Callable[[int], Plan], mesh: Mesh, tp_axis: str | Sequence[str], reader: Reader, *, threads: int = 4,
+    bar: Progress | None = None,
+) -> dict[str, jax.Array]:
+    """Every parameter of vLLM's layout as a global array over ``mesh``; ``plan_of(rank)`` is
+    the plan of a tensor-parallel rank, asked only for this process's ranks."""
+    axes = tp_axes_of(mesh, tp_axis)
+    tp_size = math.prod(mesh.shape[a] for a in axes)
+    local = local_tp_ranks(mesh, axes)
+    first = plan_of(local[0])
+    leaves, forms = _global_leaves(plan_of, first, local, mesh, axes, tp_size)
     quantized: dict[tuple[int, str], dict[str, torch.Tensor]] = {}  # online quantization: (rank, module) -> its tensors
     lock = threading.Lock()
 

@@ -130,11 +130,13 @@ gpt_oss, llama4 and llama4_text have no per-expert form: ``fused_experts`` chang
 from __future__ import annotations
 
 import json
+import math
 import os
+import tempfile
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -143,6 +145,9 @@ from .archs import ARCHS, ArchSpec
 from .experts import MoeLayout, fuse, has_fused, linear_experts, unfuse
 from .files import list_tensors, read_checkpoint_tensors, remove_weight_files, write_shards
 from .multimodal import renamed
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = [
     "ARCHS",
@@ -155,6 +160,7 @@ __all__ = [
     "unfuse_experts",
     "write_checkpoint",
     "write_shards",
+    "write_unit_scale_checkpoint",
 ]
 
 
@@ -199,6 +205,24 @@ def write_checkpoint(
 
     import transformers
 
+    kwargs = _config_kwargs(spec, arch, num_layers, kv_heads, tie_word_embeddings, config_overrides)
+    config = getattr(transformers, spec.config_class)(**kwargs)
+    torch.manual_seed(seed)
+    model = getattr(transformers, spec.model_class)(config)
+    _randomize(model, seed)
+    model = _cast(model, dtype_name)
+
+    out = Path(out_dir)
+    _save_model(model, out, spec, dtype_name, max_shard_size)
+    _to_disk_layout(out, spec, fused_experts, max_shard_size)
+    return out
+
+
+def _config_kwargs(
+    spec: ArchSpec, arch: str, num_layers: int, kv_heads: int | None, tie_word_embeddings: bool | None, overrides: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The transformers config's arguments: the architecture's tiny sizes, then the caller's
+    layers, KV heads, tying and overrides (for a composite config, nested under its text config)."""
     kwargs = _plain(spec.config)
     kwargs[spec.layers_key] = num_layers
     if kv_heads is not None:
@@ -216,22 +240,26 @@ def write_checkpoint(
         outer = _plain(spec.outer_config)
         if tie_word_embeddings is not None:
             outer["tie_word_embeddings"] = tie_word_embeddings
-        for key, value in config_overrides.items():
+        for key, value in overrides.items():
             (outer if key in outer or key == spec.text_config_key else kwargs)[key] = value
         kwargs = {**outer, spec.text_config_key: {**kwargs, **outer.get(spec.text_config_key, {})}}
     else:
-        kwargs.update(config_overrides)
+        kwargs.update(overrides)
+    return kwargs
 
-    config = getattr(transformers, spec.config_class)(**kwargs)
-    torch.manual_seed(seed)
-    model = getattr(transformers, spec.model_class)(config)
-    _randomize(model, seed)
+
+def _cast(model: PreTrainedModel, dtype_name: str) -> PreTrainedModel:
+    """``model`` cast to ``dtype_name``, its config recording that dtype."""
     with warnings.catch_warnings():  # llama4's complex RoPE buffers (not saved) warn when cast
         warnings.filterwarnings("ignore", message="Casting complex values to real")
         model = model.to(getattr(torch, dtype_name))
     model.config.dtype = getattr(torch, dtype_name)
+    return model
 
-    out = Path(out_dir)
+
+def _save_model(model: PreTrainedModel, out: Path, spec: ArchSpec, dtype_name: str, max_shard_size: str | int) -> None:
+    """Replace the weight files in ``out`` by ``model``'s (``save_pretrained``, in shards), with a
+    config.json that records ``dtype_name`` and the architecture's extra keys."""
     out.mkdir(parents=True, exist_ok=True)
     remove_weight_files(out)
     with quiet_transformers():
@@ -241,6 +269,10 @@ def write_checkpoint(
         path = out / "config.json"
         path.write_text(json.dumps({**json.loads(path.read_text()), **_plain(spec.config_json)}, indent=2, sort_keys=True) + "\n")
 
+
+def _to_disk_layout(out: Path, spec: ArchSpec, fused_experts: bool, max_shard_size: str | int) -> None:
+    """Rewrite the saved tensors in ``out`` to the released names and the requested expert layout
+    (fused or per expert), where they differ."""
     if spec.renames:  # to the released layout (see ArchSpec.renames)
         tensors = read_checkpoint_tensors(out)
         write_shards(out, {renamed(name, spec.renames): t for name, t in tensors.items()}, max_shard_size)
@@ -252,6 +284,43 @@ def write_checkpoint(
             write_shards(out, fuse(tensors, spec.moe), max_shard_size)
         elif not fused_experts and on_disk_fused:
             write_shards(out, unfuse(tensors, spec.moe), max_shard_size)
+
+
+def write_unit_scale_checkpoint(arch: str, out_dir: Any, *, dtype: str = "bfloat16", **options: Any) -> Any:
+    """A tiny ``write_checkpoint`` model with its weights rescaled so every activation is O(1),
+    saved by transformers' ``save_pretrained`` (several shards) in ``dtype``; returns the directory.
+
+    ``write_checkpoint`` fills every tensor, norm weights included, with ``0.02 * randn``, so
+    each layer adds a tiny fraction to the residual stream and a wrong block in one layer
+    changes the logits only by ~1e-5 relative: too close to float32 rounding for a comparison
+    to tell. Here linear weights (and experts, router, lm_head) become ``N(0, 1/fan_in)``, the
+    embedding ``N(0, 1)``, norm weights ``1 + N(0, 0.4^2)`` and biases ``N(0, 0.5^2)`` (the same
+    random draws, scaled), so every block matters at O(1). ``options`` go to ``write_checkpoint``.
+    """
+    from transformers import AutoModelForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if any(out.glob("*.safetensors")):
+        raise FileExistsError(f"{out} already holds a checkpoint")
+    with tempfile.TemporaryDirectory() as tmp:
+        source = write_checkpoint(arch, tmp, dtype="float32", **options)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and p.dim() == 1:
+                p.mul_(20.0).add_(1.0)
+            elif name.endswith(".bias"):
+                p.mul_(25.0)
+            elif "embed_tokens" in name:
+                p.mul_(50.0)
+            else:
+                p.mul_(1.0 / (0.02 * math.sqrt(p.shape[-1])))
+    torch_dtype = getattr(torch, dtype)
+    model = model.to(torch_dtype)
+    model.config.dtype = torch_dtype
+    with quiet_transformers():
+        model.save_pretrained(out, max_shard_size="100KB")
     return out
 
 

@@ -29,11 +29,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .checkpoints import quiet_transformers, write_checkpoint
+from .checkpoints import write_unit_scale_checkpoint
 
-__all__ = ["Dims", "jax_tp_forward", "torch_tp_decoder_layer"]
+if TYPE_CHECKING:
+    import jax
+    import numpy as np
+    import torch
+
+__all__ = ["Dims", "jax_tp_forward", "torch_tp_decoder_layer", "write_unit_scale_checkpoint"]
 
 _MISSING = object()
 
@@ -131,7 +136,6 @@ def jax_tp_forward(params: Mapping[str, Any], config: Any, mesh: Any, input_ids:
     is replicated. The result is a global array replicated over the mesh (in a multi-process
     run, read it with ``.addressable_data(0)``)."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -141,112 +145,18 @@ def jax_tp_forward(params: Mapping[str, Any], config: Any, mesh: Any, input_ids:
         from jax.experimental.shard_map import shard_map
 
     dims = Dims.from_config(config)
-    tp = mesh.shape[tp_axis]
-    nq, nkv = dims.local_heads(tp)
-    hd = dims.head_dim
-    hi = jax.lax.Precision.HIGHEST
+    heads = dims.local_heads(mesh.shape[tp_axis])
     names = sorted(params)
     moe = {i: _moe_prefix(names, i) for i in range(dims.layers)}
 
     ids = np.asarray(input_ids, dtype=np.int32)
     if ids.ndim != 2:
         raise ValueError(f"input_ids must be [batch, seq], got shape {ids.shape}")
-    batch, seq = ids.shape
     ids_global = jax.make_array_from_callback(ids.shape, NamedSharding(mesh, P()), lambda index: ids[index])
+    cos_sin = _jax_rope_tables(dims, ids.shape[1])
 
-    def mm(spec: str, *xs: Any) -> Any:
-        return jnp.einsum(spec, *xs, precision=hi)
-
-    def rms(x: Any, w: Any) -> Any:
-        return w * (x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + dims.eps))
-
-    # transformers' default RoPE, float32: inv_freq = 1 / theta^(2i/d), emb = [freqs, freqs]
-    inv_freq = 1.0 / (dims.rope_theta ** (np.arange(0, hd, 2, dtype=np.int64).astype(np.float32) / hd))
-    freqs = np.arange(seq, dtype=np.float32)[:, None] * inv_freq[None, :].astype(np.float32)
-    emb = np.concatenate([freqs, freqs], axis=-1)
-    cos_np, sin_np = np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
-
-    def rope(x: Any, cos: Any, sin: Any) -> Any:  # x [B, S, heads, hd]
-        half = x.shape[-1] // 2
-        rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-        return x * cos[None, :, None, :] + rotated * sin[None, :, None, :]
-
-    def kernel(p: dict[str, Any], tokens: Any) -> Any:
-        rank = jax.lax.axis_index(tp_axis)
-
-        def w(name: str) -> Any:
-            return p[name].astype(jnp.float32)
-
-        def has(name: str) -> bool:
-            return name in p
-
-        cos, sin = jnp.asarray(cos_np), jnp.asarray(sin_np)
-
-        # vocab-parallel embedding
-        table = w("model.embed_tokens.weight")
-        rows = table.shape[0]
-        local = tokens - rank * rows
-        inside = (local >= 0) & (local < rows)
-        h = jnp.where(inside[..., None], table[jnp.clip(local, 0, rows - 1)], 0.0)
-        h = jax.lax.psum(h, tp_axis)
-
-        causal = np.tril(np.ones((seq, seq), dtype=bool))
-        for i in range(dims.layers):
-            pre = f"model.layers.{i}."
-            att = pre + "self_attn."
-            x = rms(h, w(pre + "input_layernorm.weight"))
-            qkv_w = w(att + "qkv_proj.weight")
-            if qkv_w.shape[0] != (nq + 2 * nkv) * hd:
-                raise ValueError(f"{att}qkv_proj.weight has {qkv_w.shape[0]} rows on a rank, expected {(nq + 2 * nkv) * hd}")
-            qkv = mm("bsh,oh->bso", x, qkv_w)
-            if has(att + "qkv_proj.bias"):
-                qkv = qkv + w(att + "qkv_proj.bias")
-            q = qkv[..., : nq * hd].reshape(batch, seq, nq, hd)
-            k = qkv[..., nq * hd : (nq + nkv) * hd].reshape(batch, seq, nkv, hd)
-            v = qkv[..., (nq + nkv) * hd :].reshape(batch, seq, nkv, hd)
-            if has(att + "q_norm.weight"):
-                q = rms(q, w(att + "q_norm.weight"))
-                k = rms(k, w(att + "k_norm.weight"))
-            q, k = rope(q, cos, sin), rope(k, cos, sin)
-            k = jnp.repeat(k, nq // nkv, axis=2)  # local query head j uses local KV head j // group
-            v = jnp.repeat(v, nq // nkv, axis=2)
-            scores = mm("bqnd,bknd->bnqk", q, k) * (hd**-0.5)
-            scores = jnp.where(causal[None, None], scores, -jnp.inf)
-            probs = jax.nn.softmax(scores, axis=-1)
-            out = mm("bnqk,bknd->bqnd", probs, v).reshape(batch, seq, nq * hd)
-            partial = mm("bsi,hi->bsh", out, w(att + "o_proj.weight"))
-            attn = jax.lax.psum(partial, tp_axis)
-            if has(att + "o_proj.bias"):
-                attn = attn + w(att + "o_proj.bias")
-            h = h + attn
-
-            x = rms(h, w(pre + "post_attention_layernorm.weight"))
-            module = moe[i]
-            if module is None:
-                gate_up = mm("bsh,oh->bso", x, w(pre + "mlp.gate_up_proj.weight"))
-                inter = gate_up.shape[-1] // 2
-                act = jax.nn.silu(gate_up[..., :inter]) * gate_up[..., inter:]
-                partial = mm("bsi,hi->bsh", act, w(pre + "mlp.down_proj.weight"))
-            else:
-                router = mm("bsh,eh->bse", x, w(module + "gate.weight"))
-                experts = router.shape[-1]
-                probs = jax.nn.softmax(router, axis=-1)
-                top_p, top_i = jax.lax.top_k(probs, dims.top_k)
-                if dims.norm_topk_prob:
-                    top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
-                weights = jnp.sum(jax.nn.one_hot(top_i, experts, dtype=jnp.float32) * top_p[..., None], axis=-2)
-                w13 = w(module + "experts.routed_experts.w13_weight")  # [E, 2I/tp, H]
-                inter = w13.shape[1] // 2
-                gate_up = mm("bsh,eih->bsei", x, w13)
-                act = jax.nn.silu(gate_up[..., :inter]) * gate_up[..., inter:]
-                per_expert = mm("bsei,ehi->bseh", act, w(module + "experts.routed_experts.w2_weight"))
-                partial = jnp.sum(per_expert * weights[..., None], axis=-2)
-            h = h + jax.lax.psum(partial, tp_axis)
-
-        h = rms(h, w("model.norm.weight"))
-        logits = mm("bsh,vh->bsv", h, w("lm_head.weight"))
-        logits = jax.lax.all_gather(logits, tp_axis, axis=2, tiled=True)
-        return logits[..., : dims.vocab]
+    def kernel(p: dict[str, jax.Array], tokens: jax.Array) -> jax.Array:
+        return _jax_rank_logits(p, tokens, dims, heads, moe, cos_sin, tp_axis)
 
     specs = {name: params[name].sharding.spec for name in names}
     # all_gather's result is the same on every rank, but shard_map's replication check cannot
@@ -256,6 +166,137 @@ def jax_tp_forward(params: Mapping[str, Any], config: Any, mesh: Any, input_ids:
     except TypeError:  # older jax spells it check_rep
         fn = shard_map(kernel, mesh=mesh, in_specs=(specs, P()), out_specs=P(), check_rep=False)
     return jax.jit(fn)({name: params[name] for name in names}, ids_global)
+
+
+def _jax_rope_tables(dims: Dims, seq: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(cos, sin)`` ``[S, head_dim]`` of transformers' default RoPE, float32: inv_freq = 1 / theta^(2i/d), emb = [freqs, freqs]."""
+    import numpy as np
+
+    hd = dims.head_dim
+    inv_freq = 1.0 / (dims.rope_theta ** (np.arange(0, hd, 2, dtype=np.int64).astype(np.float32) / hd))
+    freqs = np.arange(seq, dtype=np.float32)[:, None] * inv_freq[None, :].astype(np.float32)
+    emb = np.concatenate([freqs, freqs], axis=-1)
+    return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
+
+
+def _jax_rank_logits(
+    p: dict[str, jax.Array], tokens: jax.Array, dims: Dims, heads: tuple[int, int], moe: dict[int, str | None],
+    cos_sin: tuple[np.ndarray, np.ndarray], tp_axis: str,
+) -> jax.Array:
+    """The logits, inside ``shard_map`` over one rank's blocks: the vocab-parallel embedding, every
+    decoder layer (partial products summed over ``tp_axis``), the final norm and the gathered lm_head."""
+    import jax
+    import jax.numpy as jnp
+
+    rank = jax.lax.axis_index(tp_axis)
+    cos, sin = jnp.asarray(cos_sin[0]), jnp.asarray(cos_sin[1])
+
+    # vocab-parallel embedding
+    table = p["model.embed_tokens.weight"].astype(jnp.float32)
+    rows = table.shape[0]
+    local = tokens - rank * rows
+    inside = (local >= 0) & (local < rows)
+    h = jnp.where(inside[..., None], table[jnp.clip(local, 0, rows - 1)], 0.0)
+    h = jax.lax.psum(h, tp_axis)
+
+    for i in range(dims.layers):
+        pre = f"model.layers.{i}."
+        x = _jax_rms(h, p[pre + "input_layernorm.weight"].astype(jnp.float32), dims.eps)
+        attn = jax.lax.psum(_jax_attention(p, x, pre + "self_attn.", dims, heads, cos, sin), tp_axis)
+        if pre + "self_attn.o_proj.bias" in p:
+            attn = attn + p[pre + "self_attn.o_proj.bias"].astype(jnp.float32)
+        h = h + attn
+        x = _jax_rms(h, p[pre + "post_attention_layernorm.weight"].astype(jnp.float32), dims.eps)
+        h = h + jax.lax.psum(_jax_mlp(p, x, pre, moe[i], dims), tp_axis)
+
+    h = _jax_rms(h, p["model.norm.weight"].astype(jnp.float32), dims.eps)
+    logits = _jax_mm("bsh,vh->bsv", h, p["lm_head.weight"].astype(jnp.float32))
+    logits = jax.lax.all_gather(logits, tp_axis, axis=2, tiled=True)
+    return logits[..., : dims.vocab]
+
+
+def _jax_attention(
+    p: dict[str, jax.Array], x: jax.Array, att: str, dims: Dims, heads: tuple[int, int], cos: jax.Array, sin: jax.Array
+) -> jax.Array:
+    """A rank's partial ``o_proj`` product (before the sum over ranks) of causal attention over its local heads."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    (nq, nkv), hd = heads, dims.head_dim
+    batch, seq = x.shape[0], x.shape[1]
+    qkv_w = p[att + "qkv_proj.weight"].astype(jnp.float32)
+    if qkv_w.shape[0] != (nq + 2 * nkv) * hd:
+        raise ValueError(f"{att}qkv_proj.weight has {qkv_w.shape[0]} rows on a rank, expected {(nq + 2 * nkv) * hd}")
+    qkv = _jax_mm("bsh,oh->bso", x, qkv_w)
+    if att + "qkv_proj.bias" in p:
+        qkv = qkv + p[att + "qkv_proj.bias"].astype(jnp.float32)
+    q = qkv[..., : nq * hd].reshape(batch, seq, nq, hd)
+    k = qkv[..., nq * hd : (nq + nkv) * hd].reshape(batch, seq, nkv, hd)
+    v = qkv[..., (nq + nkv) * hd :].reshape(batch, seq, nkv, hd)
+    if att + "q_norm.weight" in p:
+        q = _jax_rms(q, p[att + "q_norm.weight"].astype(jnp.float32), dims.eps)
+        k = _jax_rms(k, p[att + "k_norm.weight"].astype(jnp.float32), dims.eps)
+    q, k = _jax_rope(q, cos, sin), _jax_rope(k, cos, sin)
+    k = jnp.repeat(k, nq // nkv, axis=2)  # local query head j uses local KV head j // group
+    v = jnp.repeat(v, nq // nkv, axis=2)
+    scores = _jax_mm("bqnd,bknd->bnqk", q, k) * (hd**-0.5)
+    causal = np.tril(np.ones((seq, seq), dtype=bool))
+    scores = jnp.where(causal[None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = _jax_mm("bnqk,bknd->bqnd", probs, v).reshape(batch, seq, nq * hd)
+    return _jax_mm("bsi,hi->bsh", out, p[att + "o_proj.weight"].astype(jnp.float32))
+
+
+def _jax_mlp(p: dict[str, jax.Array], x: jax.Array, pre: str, module: str | None, dims: Dims) -> jax.Array:
+    """A rank's partial MLP output (before the sum over ranks): its ``gate_up_proj`` / ``down_proj``
+    rows, or in a MoE layer (``module``) its slice of every expert, weighted by the replicated router."""
+    import jax
+    import jax.numpy as jnp
+
+    if module is None:
+        gate_up = _jax_mm("bsh,oh->bso", x, p[pre + "mlp.gate_up_proj.weight"].astype(jnp.float32))
+        inter = gate_up.shape[-1] // 2
+        act = jax.nn.silu(gate_up[..., :inter]) * gate_up[..., inter:]
+        return _jax_mm("bsi,hi->bsh", act, p[pre + "mlp.down_proj.weight"].astype(jnp.float32))
+    router = _jax_mm("bsh,eh->bse", x, p[module + "gate.weight"].astype(jnp.float32))
+    experts = router.shape[-1]
+    probs = jax.nn.softmax(router, axis=-1)
+    top_p, top_i = jax.lax.top_k(probs, dims.top_k)
+    if dims.norm_topk_prob:
+        top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
+    weights = jnp.sum(jax.nn.one_hot(top_i, experts, dtype=jnp.float32) * top_p[..., None], axis=-2)
+    w13 = p[module + "experts.routed_experts.w13_weight"].astype(jnp.float32)  # [E, 2I/tp, H]
+    inter = w13.shape[1] // 2
+    gate_up = _jax_mm("bsh,eih->bsei", x, w13)
+    act = jax.nn.silu(gate_up[..., :inter]) * gate_up[..., inter:]
+    per_expert = _jax_mm("bsei,ehi->bseh", act, p[module + "experts.routed_experts.w2_weight"].astype(jnp.float32))
+    return jnp.sum(per_expert * weights[..., None], axis=-2)
+
+
+def _jax_mm(spec: str, *xs: jax.Array) -> jax.Array:
+    """``einsum`` at the highest precision (float32 products on every backend)."""
+    import jax
+    import jax.numpy as jnp
+
+    return jnp.einsum(spec, *xs, precision=jax.lax.Precision.HIGHEST)
+
+
+def _jax_rms(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """RMS norm of ``x`` over its last dimension, scaled by ``w``."""
+    import jax
+    import jax.numpy as jnp
+
+    return w * (x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps))
+
+
+def _jax_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """``x`` ``[B, S, heads, hd]`` rotated by RoPE (transformers' rotate-half layout)."""
+    import jax.numpy as jnp
+
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[None, :, None, :] + rotated * sin[None, :, None, :]
 
 
 # --------------------------------------------------------------------------------------------
@@ -270,43 +311,52 @@ def torch_tp_decoder_layer(state: Mapping[str, Any], config: Any, layer: int, hi
     are summed with ``torch.distributed.all_reduce``."""
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
 
     dims = Dims.from_config(config)
-    tp = dist.get_world_size(group)
-    nq, nkv = dims.local_heads(tp)
-    hd = dims.head_dim
+    heads = dims.local_heads(dist.get_world_size(group))
     pre = f"model.layers.{layer}."
     att = pre + "self_attn."
 
-    def w(name: str) -> Any:
-        return state[name].to(torch.float32)
-
-    def rms(x: Any, weight: Any) -> Any:
-        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + dims.eps))
-
     h = hidden.to(torch.float32)
-    batch, seq, _ = h.shape
+    x = _torch_rms(h, state[pre + "input_layernorm.weight"].to(torch.float32), dims.eps)
+    attn = _torch_attention(state, x, att, dims, heads)
+    dist.all_reduce(attn, group=group)
+    if att + "o_proj.bias" in state:
+        attn = attn + state[att + "o_proj.bias"].to(torch.float32)
+    h = h + attn
+
+    x = _torch_rms(h, state[pre + "post_attention_layernorm.weight"].to(torch.float32), dims.eps)
+    partial = _torch_mlp(state, x, pre, _moe_prefix(list(state), layer), dims)
+    dist.all_reduce(partial, group=group)
+    return h + partial
+
+
+def _torch_attention(state: Mapping[str, torch.Tensor], x: torch.Tensor, att: str, dims: Dims, heads: tuple[int, int]) -> torch.Tensor:
+    """This rank's partial ``o_proj`` product (before the all-reduce) of causal attention over its local heads."""
+    import torch
+    import torch.nn.functional as F
+
+    (nq, nkv), hd = heads, dims.head_dim
+    batch, seq, _ = x.shape
     inv_freq = 1.0 / (dims.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
     freqs = torch.arange(seq, dtype=torch.float32)[:, None] * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
     cos, sin = emb.cos()[None, :, None, :], emb.sin()[None, :, None, :]
 
-    def rope(x: Any) -> Any:
+    def rope(x: torch.Tensor) -> torch.Tensor:
         half = x.shape[-1] // 2
         return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
-    x = rms(h, w(pre + "input_layernorm.weight"))
-    qkv_w = w(att + "qkv_proj.weight")
+    qkv_w = state[att + "qkv_proj.weight"].to(torch.float32)
     if qkv_w.shape[0] != (nq + 2 * nkv) * hd:
         raise ValueError(f"{att}qkv_proj.weight has {qkv_w.shape[0]} rows on this rank, expected {(nq + 2 * nkv) * hd}")
-    qkv = F.linear(x, qkv_w, w(att + "qkv_proj.bias") if att + "qkv_proj.bias" in state else None)
+    qkv = F.linear(x, qkv_w, state[att + "qkv_proj.bias"].to(torch.float32) if att + "qkv_proj.bias" in state else None)
     q = qkv[..., : nq * hd].reshape(batch, seq, nq, hd)
     k = qkv[..., nq * hd : (nq + nkv) * hd].reshape(batch, seq, nkv, hd)
     v = qkv[..., (nq + nkv) * hd :].reshape(batch, seq, nkv, hd)
     if att + "q_norm.weight" in state:
-        q = rms(q, w(att + "q_norm.weight"))
-        k = rms(k, w(att + "k_norm.weight"))
+        q = _torch_rms(q, state[att + "q_norm.weight"].to(torch.float32), dims.eps)
+        k = _torch_rms(k, state[att + "k_norm.weight"].to(torch.float32), dims.eps)
     q, k = rope(q), rope(k)
     k = k.repeat_interleave(nq // nkv, dim=2)
     v = v.repeat_interleave(nq // nkv, dim=2)
@@ -314,74 +364,31 @@ def torch_tp_decoder_layer(state: Mapping[str, Any], config: Any, layer: int, hi
     causal = torch.ones(seq, seq, dtype=torch.bool).tril()
     scores = scores.masked_fill(~causal, float("-inf"))
     out = torch.einsum("bnqk,bknd->bqnd", scores.softmax(-1), v).reshape(batch, seq, nq * hd)
-    attn = F.linear(out, w(att + "o_proj.weight"))
-    dist.all_reduce(attn, group=group)
-    if att + "o_proj.bias" in state:
-        attn = attn + w(att + "o_proj.bias")
-    h = h + attn
-
-    x = rms(h, w(pre + "post_attention_layernorm.weight"))
-    module = _moe_prefix(list(state), layer)
-    if module is None:
-        gate_up = F.linear(x, w(pre + "mlp.gate_up_proj.weight"))
-        gate, up = gate_up.chunk(2, dim=-1)
-        partial = F.linear(F.silu(gate) * up, w(pre + "mlp.down_proj.weight"))
-    else:
-        probs = F.linear(x, w(module + "gate.weight")).softmax(-1)
-        top_p, top_i = probs.topk(dims.top_k, dim=-1)
-        if dims.norm_topk_prob:
-            top_p = top_p / top_p.sum(-1, keepdim=True)
-        weights = torch.zeros_like(probs).scatter(-1, top_i, top_p)
-        gate_up = torch.einsum("bsh,eih->bsei", x, w(module + "experts.routed_experts.w13_weight"))
-        gate, up = gate_up.chunk(2, dim=-1)
-        per_expert = torch.einsum("bsei,ehi->bseh", F.silu(gate) * up, w(module + "experts.routed_experts.w2_weight"))
-        partial = (per_expert * weights[..., None]).sum(-2)
-    dist.all_reduce(partial, group=group)
-    return h + partial
+    return F.linear(out, state[att + "o_proj.weight"].to(torch.float32))
 
 
-# --------------------------------------------------------------------------------------------
-# Checkpoints whose activations are O(1)
-
-
-def write_unit_scale_checkpoint(arch: str, out_dir: Any, *, dtype: str = "bfloat16", **options: Any) -> Any:
-    """A tiny ``write_checkpoint`` model with its weights rescaled so every activation is O(1),
-    saved by transformers' ``save_pretrained`` (several shards) in ``dtype``; returns the directory.
-
-    ``write_checkpoint`` fills every tensor, norm weights included, with ``0.02 * randn``, so
-    each layer adds a tiny fraction to the residual stream and a wrong block in one layer
-    changes the logits only by ~1e-5 relative: too close to float32 rounding for a comparison
-    to tell. Here linear weights (and experts, router, lm_head) become ``N(0, 1/fan_in)``, the
-    embedding ``N(0, 1)``, norm weights ``1 + N(0, 0.4^2)`` and biases ``N(0, 0.5^2)`` (the same
-    random draws, scaled), so every block matters at O(1). ``options`` go to ``write_checkpoint``.
-    """
-    import math
-    import tempfile
-    from pathlib import Path
-
+def _torch_mlp(state: Mapping[str, torch.Tensor], x: torch.Tensor, pre: str, module: str | None, dims: Dims) -> torch.Tensor:
+    """This rank's partial MLP output (before the all-reduce): its ``gate_up_proj`` / ``down_proj``
+    rows, or in a MoE layer (``module``) its slice of every expert, weighted by the replicated router."""
     import torch
-    from transformers import AutoModelForCausalLM
+    import torch.nn.functional as F
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if any(out.glob("*.safetensors")):
-        raise FileExistsError(f"{out} already holds a checkpoint")
-    with tempfile.TemporaryDirectory() as tmp:
-        source = write_checkpoint(arch, tmp, dtype="float32", **options)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name and p.dim() == 1:
-                p.mul_(20.0).add_(1.0)
-            elif name.endswith(".bias"):
-                p.mul_(25.0)
-            elif "embed_tokens" in name:
-                p.mul_(50.0)
-            else:
-                p.mul_(1.0 / (0.02 * math.sqrt(p.shape[-1])))
-    torch_dtype = getattr(torch, dtype)
-    model = model.to(torch_dtype)
-    model.config.dtype = torch_dtype
-    with quiet_transformers():
-        model.save_pretrained(out, max_shard_size="100KB")
-    return out
+    if module is None:
+        gate, up = F.linear(x, state[pre + "mlp.gate_up_proj.weight"].to(torch.float32)).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, state[pre + "mlp.down_proj.weight"].to(torch.float32))
+    probs = F.linear(x, state[module + "gate.weight"].to(torch.float32)).softmax(-1)
+    top_p, top_i = probs.topk(dims.top_k, dim=-1)
+    if dims.norm_topk_prob:
+        top_p = top_p / top_p.sum(-1, keepdim=True)
+    weights = torch.zeros_like(probs).scatter(-1, top_i, top_p)
+    gate_up = torch.einsum("bsh,eih->bsei", x, state[module + "experts.routed_experts.w13_weight"].to(torch.float32))
+    gate, up = gate_up.chunk(2, dim=-1)
+    per_expert = torch.einsum("bsei,ehi->bseh", F.silu(gate) * up, state[module + "experts.routed_experts.w2_weight"].to(torch.float32))
+    return (per_expert * weights[..., None]).sum(-2)
+
+
+def _torch_rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS norm of ``x`` over its last dimension, scaled by ``weight``."""
+    import torch
+
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
