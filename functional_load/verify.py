@@ -9,11 +9,12 @@ replicated parameters are identical on all ranks, and that padding rows are zero
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
+from .api import Model, resolve_model_dir
 from .api import plan as make_plan
-from .api import resolve_model_dir
 from .checkpoint import FileSpan, PickleEntry, SavedBoxes, TensorInfo
 from .checkpoint.pickles import safe_torch_load
 from .errors import ConfigError
@@ -21,6 +22,13 @@ from .io import ReadOptions, execute, reader_for
 from .layout.placement import Same
 from .options import LoadOptions, resolve_options
 from .plan import Plan
+from .storage import StoredPath
+
+if TYPE_CHECKING:
+    import torch
+
+State = dict[str, "torch.Tensor"]  # one rank's loaded tensors by name
+Key = tuple[StoredPath, str]  # a checkpoint tensor: its file and name
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,13 +62,13 @@ class VerifyReport:
         return "\n".join(lines)
 
 
-def _bits(t: Any) -> Any:
+def _bits(t: torch.Tensor) -> torch.Tensor:
     import torch
 
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
-def reference_tensor(info: TensorInfo) -> Any:
+def reference_tensor(info: TensorInfo) -> torch.Tensor:
     """A checkpoint tensor read independently of this package's reader: with the safetensors
     library (a pre-sharded save's original tensors reassembled from its rank files' boxes), or
     ``torch.load`` for a pickle."""
@@ -85,7 +93,7 @@ def reference_tensor(info: TensorInfo) -> Any:
     return whole
 
 
-def verify_ranks(model_dir: Any, *, tp_size: int = 1, options: LoadOptions = LoadOptions(), **overrides: Any) -> VerifyReport:
+def verify_ranks(model_dir: Model, *, tp_size: int = 1, options: LoadOptions = LoadOptions(), **overrides: object) -> VerifyReport:
     """Plan and load every rank of ``tp_size`` and check what each rank read against its plan and
     the checkpoint (``model_dir`` may be a Hugging Face Hub repo id; ``options`` as for every
     entry point).
@@ -99,9 +107,28 @@ def verify_ranks(model_dir: Any, *, tp_size: int = 1, options: LoadOptions = Loa
     opts = resolve_options(options, overrides)
     if opts.dummy:
         raise ConfigError("verify checks ranks against a checkpoint; load_format='dummy' reads none (plan or load it instead)")
-    model_dir = resolve_model_dir(model_dir, opts.revision, opts.load_format, opts.allow_pickle)
+    directory = resolve_model_dir(model_dir, opts.revision, opts.load_format, opts.allow_pickle)
     local = opts.replace(revision=None, read=ReadOptions(strategy="pread"))
+    plans, states, reads, seconds = _load_ranks(directory, tp_size, local)
 
+    problems: list[str] = []
+    # keyed by file and name: a save reloaded at its saved layout reads each rank's own file,
+    # whose tensors have the same names in every rank file
+    infos = {(info.file, name): info for p in plans for name, info in p.tensors.items()}
+    reference = {key: reference_tensor(info) for key, info in infos.items()}
+    covered = {key: torch.zeros(info.shape, dtype=torch.bool) for key, info in infos.items()}
+    for the_plan, state in zip(plans, states):
+        problems += _rank_problems(the_plan, state, reference, covered)
+    for (file, name), mask in covered.items():
+        if not bool(mask.all()):
+            problems.append(f"{name} ({file.name}): {int((~mask).sum())} elements are held by no rank")
+    problems += _replicated_problems(plans, states)
+    total = sum(info.nbytes for info in infos.values())
+    return VerifyReport(tp_size, tuple(plans), tuple(reads), tuple(seconds), total, tuple(problems))
+
+
+def _load_ranks(model_dir: StoredPath, tp_size: int, local: LoadOptions) -> tuple[list[Plan], list[State], list[int], list[float]]:
+    """Plan and load each rank in turn; returns the plans, states, bytes read and seconds of every rank."""
     plans, states, reads, seconds = [], [], [], []
     for rank in range(tp_size):
         start = time.perf_counter()
@@ -112,40 +139,44 @@ def verify_ranks(model_dir: Any, *, tp_size: int = 1, options: LoadOptions = Loa
             reads.append(reader.bytes_read)
         seconds.append(time.perf_counter() - start)
         plans.append(the_plan)
+    return plans, states, reads, seconds
+
+
+def _rank_problems(the_plan: Plan, state: State, reference: Mapping[Key, torch.Tensor], covered: Mapping[Key, torch.Tensor]) -> list[str]:
+    """Where one rank differs from the checkpoint slices its plan names, unzeroed padding and untied
+    aliases; marks in ``covered`` the checkpoint elements the rank holds."""
+    import torch
 
     problems: list[str] = []
-    # keyed by file and name: a save reloaded at its saved layout reads each rank's own file,
-    # whose tensors have the same names in every rank file
-    infos = {(info.file, name): info for p in plans for name, info in p.tensors.items()}
-    reference = {key: reference_tensor(info) for key, info in infos.items()}
-    covered = {key: torch.zeros(info.shape, dtype=torch.bool) for key, info in infos.items()}
+    rank = the_plan.parallel.rank
+    for param in the_plan.params:
+        tensor = state[param.spec.name]
+        for copy in param.copies:
+            dst = tensor[tuple(slice(a, b) for a, b in copy.dst)]
+            key = (the_plan.tensors[copy.tensor].file, copy.tensor)
+            src = reference[key][tuple(slice(a, b) for a, b in copy.src)]
+            src = copy.arrange(src, tuple(dst.shape)).to(tensor.dtype)
+            if not torch.equal(_bits(dst), _bits(src)):
+                problems.append(f"rank {rank}: {param.spec.name}{list(copy.dst)} differs from {copy.tensor}{list(copy.src)}")
+            covered[key][tuple(slice(a, b) for a, b in copy.src)] = True
+        for box in param.zeros:
+            if torch.count_nonzero(tensor[tuple(slice(a, b) for a, b in box)].float()):
+                problems.append(f"rank {rank}: padding {list(box)} of {param.spec.name} is not zero")
+    for alias, target in the_plan.aliases.items():
+        if state[alias] is not state[target]:
+            problems.append(f"rank {rank}: tied {alias} is not the same tensor as {target}")
+    return problems
 
-    for the_plan, state in zip(plans, states):
-        rank = the_plan.parallel.rank
-        for param in the_plan.params:
-            tensor = state[param.spec.name]
-            for copy in param.copies:
-                dst = tensor[tuple(slice(a, b) for a, b in copy.dst)]
-                key = (the_plan.tensors[copy.tensor].file, copy.tensor)
-                src = reference[key][tuple(slice(a, b) for a, b in copy.src)]
-                src = copy.arrange(src, tuple(dst.shape)).to(tensor.dtype)
-                if not torch.equal(_bits(dst), _bits(src)):
-                    problems.append(f"rank {rank}: {param.spec.name}{list(copy.dst)} differs from {copy.tensor}{list(copy.src)}")
-                covered[key][tuple(slice(a, b) for a, b in copy.src)] = True
-            for box in param.zeros:
-                if torch.count_nonzero(tensor[tuple(slice(a, b) for a, b in box)].float()):
-                    problems.append(f"rank {rank}: padding {list(box)} of {param.spec.name} is not zero")
-        for alias, target in the_plan.aliases.items():
-            if state[alias] is not state[target]:
-                problems.append(f"rank {rank}: tied {alias} is not the same tensor as {target}")
-    for (file, name), mask in covered.items():
-        if not bool(mask.all()):
-            problems.append(f"{name} ({file.name}): {int((~mask).sum())} elements are held by no rank")
+
+def _replicated_problems(plans: list[Plan], states: list[State]) -> list[str]:
+    """Parameters placed the same on every rank that differ between rank 0 and another rank."""
+    import torch
+
+    problems = []
     for param in plans[0].params:
         if all(isinstance(p.param(param.spec.name).spec.placement(p.parallel), Same) for p in plans):
             first = _bits(states[0][param.spec.name])
             for state, the_plan in zip(states[1:], plans[1:]):
                 if not torch.equal(first, _bits(state[param.spec.name])):
                     problems.append(f"replicated {param.spec.name} differs between rank 0 and rank {the_plan.parallel.rank}")
-    total = sum(info.nbytes for info in infos.values())
-    return VerifyReport(tp_size, tuple(plans), tuple(reads), tuple(seconds), total, tuple(problems))
+    return problems

@@ -16,9 +16,10 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, TypeAlias
 
-from ..layout.segments import box_volume, full_box
+from ..checkpoint import TensorInfo
+from ..layout.segments import Box, box_volume, full_box
 from ..plan.plan import Copy, ParamPlan, Plan
 from ..storage import as_path, is_local
 from .files import EagerReader
@@ -28,11 +29,15 @@ from .prefetch import Prefetcher
 from .reader import Reader, reader_for, verify_unchanged
 from .runs import Job, Run, join_runs
 
+if TYPE_CHECKING:
+    import torch
+    from tqdm.auto import tqdm
+
 CHUNK_BYTES = 16 << 20  # copies larger than this are split, so several threads share a big tensor
 LONG_LOAD_BYTES = 2 << 30  # progress=None shows a bar only for loads that read at least this much
 
 # (param plan, its dense rank-local weight) -> the tensors it becomes (online quantization)
-Consume = Callable[[ParamPlan, Any], dict[str, Any]]
+Consume: TypeAlias = "Callable[[ParamPlan, torch.Tensor], dict[str, torch.Tensor]]"
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,8 +113,8 @@ def execute(
     progress: bool | None = None,
     consume: Consume | None = None,
     consumed: Callable[[ParamPlan], bool] = lambda param: False,
-    into: Mapping[str, Any] | None = None,
-) -> tuple[dict[str, Any], LoadStats]:
+    into: Mapping[str, torch.Tensor] | None = None,
+) -> tuple[dict[str, torch.Tensor], LoadStats]:
     """Materialise ``plan`` as rank-local CPU torch tensors, in the plan's parameter order.
 
     Parameters for which ``consumed(param)`` is true are read one at a time as dense tensors of
@@ -122,12 +127,8 @@ def execute(
     options = options or ReadOptions()
     own_reader = reader is None
     reader = reader or reader_for(plan, options)
-    bar = None
     reads = plan.bytes_to_read > 0  # a dummy plan reads nothing (no bar, no look at the filesystem)
-    if reads and show_progress(progress, plan.bytes_to_read):
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=plan.bytes_to_read, unit="B", unit_scale=True, desc=f"rank {plan.parallel.rank} load")
+    bar = _progress_bar(plan, progress) if reads else None
     later = [p for p in plan.params if consume is not None and consumed(p)]
     skip = {p.spec.name for p in later}
     fixed = [p for p in plan.params if not p.spec.derived and p.spec.name not in skip]
@@ -136,28 +137,9 @@ def execute(
     importlib.import_module("torch")  # before the clock: a first load's seconds of importing torch are not read time
     start = time.perf_counter()
     try:
-        into = into or {}
-        out = allocate([p.spec for p in fixed if p.spec.name not in into])
-        out.update({p.spec.name: into[p.spec.name] for p in fixed if p.spec.name in into})
-        _prepare(fixed, out, options.threads)
-        for param in (p for p in fixed if is_scale(p)):  # scales first: a bad one stops the load early
-            for copy in param.copies:
-                copy_into(plan, out[param.spec.name], copy, reader)
-            check_scale(plan, param, out[param.spec.name])
-        jobs = sorted(
-            (
-                (p, piece)
-                for p in fixed
-                if not is_scale(p)
-                for c in p.copies
-                for piece in split_copy(c, _element_bytes(plan, c), CHUNK_BYTES)
-            ),
-            key=lambda job: _file_order(plan, job[1]),
-        )
-        units: list[Run | Job] = list(jobs)
-        if reader.sequential:  # abutting direct copies: one preadv each stretch
-            units = join_runs(plan, jobs, lambda job: direct_bytes(plan, out[job[0].spec.name], job[1]), CHUNK_BYTES)
-        _run(plan, units, out, reader, options.threads, bar)
+        out = _allocate(fixed, into or {}, options.threads)
+        _read_scales(plan, fixed, out, reader)
+        _run(plan, _units(plan, fixed, out, reader), out, reader, options.threads, bar)
         for param in fixed:
             verify_shared(plan, param, out[param.spec.name], reader)
         read_seconds = time.perf_counter() - start
@@ -169,12 +151,7 @@ def execute(
         transform_seconds = time.perf_counter() - transform_start
         verify_unchanged(plan)
     finally:
-        if bar is not None:
-            bar.close()
-        prefetched = prefetcher.stop() if prefetcher is not None else 0
-        bytes_read = reader.bytes_read
-        if own_reader:
-            reader.close()
+        prefetched, bytes_read = _finish(bar, prefetcher, reader, own_reader)
     state = {p.spec.name: out[p.spec.name] for p in plan.params}
     for alias, target in plan.aliases.items():
         state[alias] = state[target]
@@ -182,7 +159,61 @@ def execute(
     return state, LoadStats(read_seconds, transform_seconds, bytes_read, out_bytes, prefetched)
 
 
-def _prepare(params: list[ParamPlan], out: dict[str, Any], threads: int) -> None:
+def _progress_bar(plan: Plan, progress: bool | None) -> tqdm | None:
+    """The load's progress bar, or None where ``progress`` (or its default for the load's size) says none."""
+    if not show_progress(progress, plan.bytes_to_read):
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=plan.bytes_to_read, unit="B", unit_scale=True, desc=f"rank {plan.parallel.rank} load")
+
+
+def _allocate(fixed: list[ParamPlan], into: Mapping[str, torch.Tensor], threads: int) -> dict[str, torch.Tensor]:
+    """The tensors of the ``fixed`` parameters, those of ``into`` or fresh ones, prepared."""
+    out = allocate([p.spec for p in fixed if p.spec.name not in into])
+    out.update({p.spec.name: into[p.spec.name] for p in fixed if p.spec.name in into})
+    _prepare(fixed, out, threads)
+    return out
+
+
+def _read_scales(plan: Plan, fixed: list[ParamPlan], out: dict[str, torch.Tensor], reader: Reader) -> None:
+    """Read and check the scales, before any weight: a bad one stops the load early."""
+    for param in (p for p in fixed if is_scale(p)):
+        for copy in param.copies:
+            copy_into(plan, out[param.spec.name], copy, reader)
+        check_scale(plan, param, out[param.spec.name])
+
+
+def _units(plan: Plan, fixed: list[ParamPlan], out: dict[str, torch.Tensor], reader: Reader) -> list[Run | Job]:
+    """Every other copy, cut into chunks, in file order; joined into runs for a sequential reader."""
+    jobs = sorted(
+        (
+            (p, piece)
+            for p in fixed
+            if not is_scale(p)
+            for c in p.copies
+            for piece in split_copy(c, _element_bytes(plan, c), CHUNK_BYTES)
+        ),
+        key=lambda job: _file_order(plan, job[1]),
+    )
+    units: list[Run | Job] = list(jobs)
+    if reader.sequential:  # abutting direct copies: one preadv each stretch
+        units = join_runs(plan, jobs, lambda job: direct_bytes(plan, out[job[0].spec.name], job[1]), CHUNK_BYTES)
+    return units
+
+
+def _finish(bar: tqdm | None, prefetcher: Prefetcher | None, reader: Reader, own_reader: bool) -> tuple[int, int]:
+    """Close the bar, stop the prefetcher and close a reader of our own; returns the bytes prefetched and read."""
+    if bar is not None:
+        bar.close()
+    prefetched = prefetcher.stop() if prefetcher is not None else 0
+    bytes_read = reader.bytes_read
+    if own_reader:
+        reader.close()
+    return prefetched, bytes_read
+
+
+def _prepare(params: list[ParamPlan], out: dict[str, torch.Tensor], threads: int) -> None:
     """Defaults, padding and dummy values; dummy values (one generator per parameter, so the
     order does not matter) are drawn on ``threads`` threads."""
     if threads <= 1 or not any(p.dummy is not None for p in params):
@@ -199,12 +230,12 @@ def _element_bytes(plan: Plan, copy: Copy) -> int:
     return max(1, info.nbytes // max(1, box_volume(full_box(info.shape))))
 
 
-def _file_order(plan: Plan, copy: Copy) -> tuple[str, int, Any]:
+def _file_order(plan: Plan, copy: Copy) -> tuple[str, int, Box]:
     info = plan.tensors[copy.tensor]
     return (str(info.file), getattr(info.location, "offset", 0), copy.src)
 
 
-def _run(plan: Plan, units: list[Run | Job], out: dict[str, Any], reader: Reader, threads: int, bar: Any) -> None:
+def _run(plan: Plan, units: list[Run | Job], out: dict[str, torch.Tensor], reader: Reader, threads: int, bar: tqdm | None) -> None:
     """Run copies (and sequential runs of them) in file order; with several threads, reads
     overlap (``preadv`` releases the GIL). An eager reader drops each file's buffer after its last copy."""
     remaining = Counter(str(_info(plan, u).file) for u in units)
@@ -237,5 +268,5 @@ def _run(plan: Plan, units: list[Run | Job], out: dict[str, Any], reader: Reader
             finished(unit)
 
 
-def _info(plan: Plan, unit: Run | Job) -> Any:
+def _info(plan: Plan, unit: Run | Job) -> TensorInfo:
     return unit.info if isinstance(unit, Run) else plan.tensors[unit[1].tensor]

@@ -20,7 +20,7 @@ from ..vllm_target import VLLM_VERSION
 from .modules import module_params
 from .parallel import Parallel
 from .param import ParamSpec
-from .quantized import Quantization, Scheme
+from .quantized import ParamDef, Quantization, Scheme
 
 # A config asking for more layers than this is corrupt or hostile (real models have a few hundred
 # at most); expanding it would take unbounded time and memory before any check could fail.
@@ -159,12 +159,7 @@ def build_layout(
     scope = Scope(config, spec.dims)
     stages = tuple(_stage_table(stage, scope) for stage in spec.stages if stage.layers is not None or evaluate(stage.when, scope))
     schemes: dict[str, Scheme] = {}
-    num_layers = scope.int(spec.layers, f"{spec.name}.layers")
-    if num_layers > MAX_LAYERS:
-        raise ConfigError(
-            f"{spec.name}.layers = {spec.layers!r} evaluated to {num_layers}, more than the {MAX_LAYERS} layers any "
-            f"real model has; config.json is corrupt"
-        )
+    num_layers = _num_layers(spec, scope)
     parallel = _served_placement(spec, scope, parallel, warn=report)
     _refusals(spec, scope, parallel)
     params: dict[str, ParamSpec] = {}
@@ -181,28 +176,10 @@ def build_layout(
         try:
             for d in module_params(module, name, module_scope, dtype, quant, stages, schemes):
                 full = f"{name}.{d.suffix}"
-                online = name in schemes and schemes[name].online
-                params[full] = ParamSpec(
-                    name=full,
-                    module=name,
-                    shape=d.shape,
-                    local_shape=d.sharding.local_shape(d.shape, parallel),
-                    dtype=d.dtype,
-                    sharding=d.sharding,
-                    transposed=transposed and d.suffix == "weight" and len(d.shape) == 2,
-                    default=d.default,
-                    derived=online and d.role != "weight",
-                    check=d.check,
-                    stored=d.stored,
-                    role=d.role,
-                    transform=d.transform,
-                )
+                params[full] = _param_spec(full, name, d, transposed, name in schemes and schemes[name].online, parallel)
         except ShardingError as exc:
             failed.add(module.pattern)
-            where = f"{name} (and every layer like it)" if "{layer}" in module.pattern else name
-            experts_split = module.kind == "experts" and not parallel.expert_parallel
-            hint = "; or load with expert_parallel=True, which keeps experts whole" if experts_split else ""
-            problems.append(f"{where}: {exc}{hint}")
+            problems.append(_shard_problem(module, name, parallel, exc))
     if problems and not report:
         raise ShardingError(problems[0])
     if problems:
@@ -218,6 +195,44 @@ def build_layout(
     mapping = (ROTARY_CACHES, *quant_stages, *stages)
     optional = tuple(quant.optional) if quant else ()
     return Layout(spec.name, parallel, dtype, params, mapping, aliases, schemes, _drops(spec, scope), left_out, optional)
+
+
+def _num_layers(spec: ArchSpec, scope: Scope) -> int:
+    """The spec's number of layers for this config; a count no real model has means a corrupt config."""
+    num_layers = scope.int(spec.layers, f"{spec.name}.layers")
+    if num_layers > MAX_LAYERS:
+        raise ConfigError(
+            f"{spec.name}.layers = {spec.layers!r} evaluated to {num_layers}, more than the {MAX_LAYERS} layers any "
+            f"real model has; config.json is corrupt"
+        )
+    return num_layers
+
+
+def _param_spec(full: str, module: str, d: ParamDef, transposed: bool, online: bool, parallel: Parallel) -> ParamSpec:
+    """Parameter ``full`` of module instance ``module`` on this rank, from its definition ``d``."""
+    return ParamSpec(
+        name=full,
+        module=module,
+        shape=d.shape,
+        local_shape=d.sharding.local_shape(d.shape, parallel),
+        dtype=d.dtype,
+        sharding=d.sharding,
+        transposed=transposed and d.suffix == "weight" and len(d.shape) == 2,
+        default=d.default,
+        derived=online and d.role != "weight",
+        check=d.check,
+        stored=d.stored,
+        role=d.role,
+        transform=d.transform,
+    )
+
+
+def _shard_problem(module: ModuleSpec, name: str, parallel: Parallel, exc: ShardingError) -> str:
+    """The problem line of a module instance that does not shard (every layer like it is skipped)."""
+    where = f"{name} (and every layer like it)" if "{layer}" in module.pattern else name
+    experts_split = module.kind == "experts" and not parallel.expert_parallel
+    hint = "; or load with expert_parallel=True, which keeps experts whole" if experts_split else ""
+    return f"{where}: {exc}{hint}"
 
 
 def _stage_table(stage: Stage, scope: Scope) -> MappingTable:

@@ -17,7 +17,7 @@ import functools
 import keyword
 import operator
 from collections.abc import Iterator, Mapping
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, TypeGuard
 
 from ..errors import ConfigError
 
@@ -27,7 +27,7 @@ Expr = str | int | float | bool  # a spec expression: a string to evaluate, or a
 Value: TypeAlias = "int | float | bool | str | tuple[Value, ...] | list[Value] | Mapping[object, Value] | None"
 
 
-def _power(base: Any, exponent: Any) -> Any:
+def _power(base: float, exponent: float) -> float:
     """``**`` with a small exponent only (a target map's ``head_dim ** -0.5``): a huge one would
     take unbounded time and memory."""
     if abs(exponent) > 64:
@@ -71,85 +71,109 @@ def evaluate(expr: Expr, lookup: Mapping[str, Value]) -> Value:
     if expr.isidentifier() and not keyword.iskeyword(expr):  # a bare name, as most spec expressions are
         return lookup[expr]
     tree = _parse(expr)
-
-    def ev(node: ast.AST) -> Any:  # a Value (Any: mypy cannot follow the narrowing of ``sequence`` below)
-        if isinstance(node, ast.Expression):
-            return ev(node.body)
-        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float, bool, str)):
-            return node.value
-        if isinstance(node, ast.Name):
-            return lookup[node.id]
-        if isinstance(node, (ast.List, ast.Tuple)):  # a literal list: layer_type in ['M', 'mamba']
-            return tuple(ev(e) for e in node.elts)
-        if isinstance(node, ast.Attribute):  # a key of a nested config: vision_config.hidden_size
-            outer = ev(node.value)
-            if outer is None:
-                return None
-            if not isinstance(outer, Mapping):
-                raise ConfigError(
-                    f"spec expression {expr!r}: {ast.unparse(node.value)!r} is {outer!r:.60}, not a nested config, "
-                    f"so it has no key {node.attr!r}"
-                )
-            return outer.get(node.attr)
-        if isinstance(node, ast.BoolOp):
-            values = (ev(v) for v in node.values)
-            if isinstance(node.op, ast.Or):
-                result = None
-                for result in values:
-                    if result:
-                        return result
-                return result
-            result = True
-            for result in values:
-                if not result:
-                    return result
-            return result
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.Not, ast.USub)):
-            value = ev(node.operand)
-            return (not value) if isinstance(node.op, ast.Not) else -_number(value, node.operand)
-        if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
-            return _BINOPS[type(node.op)](_number(ev(node.left), node.left), _number(ev(node.right), node.right))
-        if isinstance(node, ast.Compare) and len(node.ops) == 1 and type(node.ops[0]) in _CMPOPS:
-            return _CMPOPS[type(node.ops[0])](ev(node.left), ev(node.comparators[0]))
-        if isinstance(node, ast.IfExp):
-            return ev(node.body) if ev(node.test) else ev(node.orelse)
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "len" and len(node.args) == 1 \
-                and not node.keywords:
-            value = ev(node.args[0])  # the length of a config list (vision_config.deepstack_visual_indexes); missing: 0
-            if value is None:
-                return 0
-            if not isinstance(value, (list, tuple, Mapping, str)):
-                raise ConfigError(f"spec expression {expr!r}: {ast.unparse(node.args[0])!r} is {value!r:.60}, which has no length")
-            return len(value)
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "int" and len(node.args) == 1 \
-                and not node.keywords:
-            value = _number(ev(node.args[0]), node.args[0])  # Python's int(): a float truncated (LFM2's int(2 * ff / 3))
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ConfigError(f"spec expression {expr!r}: {ast.unparse(node.args[0])!r} is {value!r:.60}, not a number")
-            return int(value)
-        if isinstance(node, ast.Subscript):  # an item of a config list, string or dict: layer_types[layer]
-            outer, key = ev(node.value), ev(node.slice)
-            sequence = isinstance(outer, (list, tuple, str))
-            if sequence and isinstance(key, int) and not isinstance(key, bool) and -len(outer) <= key < len(outer):
-                return outer[key]
-            if outer is None:  # a missing config list or dict has no items: None, as a missing key
-                return None
-            if isinstance(outer, Mapping):  # JSON keys a dict by layer number as strings: per_layer_config[layer]
-                return outer.get(key) if key in outer or not isinstance(key, int) else outer.get(str(key))
-            raise ConfigError(
-                f"spec expression {expr!r}: {ast.unparse(node.value)!r} is {outer!r:.60}, which has no item {key!r}; check config.json"
-            )
-        raise ConfigError(f"unsupported construct {ast.dump(node)[:60]} in spec expression {expr!r}")
-
-    def _number(value: Value, node: ast.AST) -> Any:  # an operand of arithmetic: a wrong type raises TypeError
-        if value is None:
-            raise ConfigError(f"config.json has no {ast.unparse(node)!r}, needed by spec expression {expr!r}")
-        return value
-
     try:
-        return ev(tree)
+        return _value(tree, expr, lookup)
     except (TypeError, ZeroDivisionError, OverflowError) as exc:  # config values of the wrong type, or 0
         raise ConfigError(f"spec expression {expr!r} fails on the values in config.json: {exc}") from None
+
+
+def _value(node: ast.AST, expr: str, lookup: Mapping[str, Value]) -> Value:
+    """What ``node`` of the spec expression ``expr`` evaluates to (the language's constructs; anything else raises)."""
+    if isinstance(node, ast.Expression):
+        return _value(node.body, expr, lookup)
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float, bool, str)):
+        return node.value
+    if isinstance(node, ast.Name):
+        return lookup[node.id]
+    if isinstance(node, (ast.List, ast.Tuple)):  # a literal list: layer_type in ['M', 'mamba']
+        return tuple(_value(e, expr, lookup) for e in node.elts)
+    if isinstance(node, ast.Attribute):  # a key of a nested config: vision_config.hidden_size
+        return _key(_value(node.value, expr, lookup), node, expr)
+    if isinstance(node, ast.BoolOp):
+        values = (_value(v, expr, lookup) for v in node.values)
+        if isinstance(node.op, ast.Or):
+            result = None
+            for result in values:
+                if result:
+                    return result
+            return result
+        result = True
+        for result in values:
+            if not result:
+                return result
+        return result
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.Not, ast.USub)):
+        value = _value(node.operand, expr, lookup)
+        return (not value) if isinstance(node.op, ast.Not) else -_number(value, node.operand, expr)
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
+        return _BINOPS[type(node.op)](
+            _number(_value(node.left, expr, lookup), node.left, expr), _number(_value(node.right, expr, lookup), node.right, expr)
+        )
+    if isinstance(node, ast.Compare) and len(node.ops) == 1 and type(node.ops[0]) in _CMPOPS:
+        return _CMPOPS[type(node.ops[0])](_value(node.left, expr, lookup), _value(node.comparators[0], expr, lookup))
+    if isinstance(node, ast.IfExp):
+        return _value(node.body, expr, lookup) if _value(node.test, expr, lookup) else _value(node.orelse, expr, lookup)
+    if _is_call(node, "len"):  # the length of a config list (vision_config.deepstack_visual_indexes); missing: 0
+        return _length(_value(node.args[0], expr, lookup), node.args[0], expr)
+    if _is_call(node, "int"):  # Python's int(): a float truncated (LFM2's int(2 * ff / 3))
+        return _integer(_number(_value(node.args[0], expr, lookup), node.args[0], expr), node.args[0], expr)
+    if isinstance(node, ast.Subscript):  # an item of a config list, string or dict: layer_types[layer]
+        return _item(_value(node.value, expr, lookup), _value(node.slice, expr, lookup), node.value, expr)
+    raise ConfigError(f"unsupported construct {ast.dump(node)[:60]} in spec expression {expr!r}")
+
+
+def _number(value: Value, node: ast.AST, expr: str) -> Any:
+    """``value``, an operand of arithmetic (Any: a wrong type raises TypeError there); a missing config key raises."""
+    if value is None:
+        raise ConfigError(f"config.json has no {ast.unparse(node)!r}, needed by spec expression {expr!r}")
+    return value
+
+
+def _is_call(node: ast.AST, name: str) -> TypeGuard[ast.Call]:
+    """Whether ``node`` calls the function ``name`` with one positional argument."""
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == name and len(node.args) == 1 \
+        and not node.keywords
+
+
+def _key(outer: Value, node: ast.Attribute, expr: str) -> Value:
+    """The key ``node.attr`` of the nested config ``outer`` (None when ``outer`` is missing)."""
+    if outer is None:
+        return None
+    if not isinstance(outer, Mapping):
+        raise ConfigError(
+            f"spec expression {expr!r}: {ast.unparse(node.value)!r} is {outer!r:.60}, not a nested config, "
+            f"so it has no key {node.attr!r}"
+        )
+    return outer.get(node.attr)
+
+
+def _length(value: Value, node: ast.AST, expr: str) -> int:
+    """``len(value)`` of a config list (0 when missing); ``node`` is the argument, for the error."""
+    if value is None:
+        return 0
+    if not isinstance(value, (list, tuple, Mapping, str)):
+        raise ConfigError(f"spec expression {expr!r}: {ast.unparse(node)!r} is {value!r:.60}, which has no length")
+    return len(value)
+
+
+def _integer(value: Value, node: ast.AST, expr: str) -> int:
+    """``int(value)`` of a number; ``node`` is the argument, for the error."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"spec expression {expr!r}: {ast.unparse(node)!r} is {value!r:.60}, not a number")
+    return int(value)
+
+
+def _item(outer: Value, key: Value, node: ast.AST, expr: str) -> Value:
+    """``outer[key]`` of a config list, string or dict (None when ``outer`` is missing); ``node`` is ``outer``'s, for the error."""
+    if isinstance(outer, (list, tuple, str)) and isinstance(key, int) and not isinstance(key, bool) and -len(outer) <= key < len(outer):
+        return outer[key]
+    if outer is None:  # a missing config list or dict has no items: None, as a missing key
+        return None
+    if isinstance(outer, Mapping):  # JSON keys a dict by layer number as strings: per_layer_config[layer]
+        return outer.get(key) if key in outer or not isinstance(key, int) else outer.get(str(key))
+    raise ConfigError(
+        f"spec expression {expr!r}: {ast.unparse(node)!r} is {outer!r:.60}, which has no item {key!r}; check config.json"
+    )
 
 
 @functools.lru_cache(maxsize=4096)

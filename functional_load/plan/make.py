@@ -11,7 +11,6 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from dataclasses import replace
-from typing import Any
 
 from ..checkpoint import Checkpoint, TensorInfo, paused_gc
 from ..dtypes import FLOAT8, torch_name
@@ -19,7 +18,7 @@ from ..errors import PlanError, ShardingError
 from ..layout.build import Layout, ParamSpec
 from ..layout.expert_sharding import ExpertSplit
 from ..layout.segments import Box, box_volume, boxes_overlap, full_box, swap_last
-from ..layout.sharding import Part
+from ..layout.sharding import Part, Sharding, Slot
 from ..model.mapping import MappingTable, NameMapper, ShardId
 from .plan import Copy, ParamPlan, Plan, _slices
 
@@ -38,106 +37,126 @@ def make_plan(layout: Layout, checkpoint: Checkpoint) -> Plan:
 
 
 def _make_plan(layout: Layout, checkpoint: Checkpoint) -> Plan:
-    problems: list[str] = []
-    dropped: list[tuple[str, str]] = []
-    copies: dict[str, list[Copy]] = defaultdict(list)
-    zeros: dict[str, list[Box]] = defaultdict(list)
-    checks: dict[str, list[Copy]] = defaultdict(list)
-    filled: dict[tuple[str, Any], str] = {}  # (parameter, slot) -> checkpoint tensor
-    shared: set[tuple[str, Box]] = set()  # (parameter, box) already filled by a copy
-    unplaced: list[tuple[str, str]] = []  # checkpoint tensors with no destination (name, mapped name)
-    failed: set[str] = set()  # parameters a tensor could not fill (already a problem)
-    used: dict[str, TensorInfo] = {}
-    parallel = layout.parallel
+    """The validated plan: each checkpoint tensor routed and placed, then every parameter checked complete."""
     router = _Router(layout, checkpoint.renames)
-    parts = _Parts(layout, checkpoint)
-
-    local = checkpoint.rank_local
-    not_held: dict[int | None, str] = {}
-    held: dict[int, frozenset[int]] = {}  # number of experts -> the experts this rank holds
+    placed = _Placement(layout, checkpoint)
+    unplaced: list[tuple[str, str]] = []  # checkpoint tensors with no destination (name, mapped name)
     tensors = checkpoint.tensors  # lazily indexed: an info is built only for a tensor the rank may read
     for name in tensors:
-        mapped = router.route(name, dropped, unplaced)
+        mapped = router.route(name, placed.dropped, unplaced)
         if mapped is None:
             continue
         param, shard_ids, expert, interleaved = mapped
         spec = router.params[param]
-        if expert is not None and isinstance(spec.sharding, ExpertSplit) and not local:
-            count = spec.sharding.num_experts
-            if count not in held:
-                held[count] = spec.sharding.held(parallel)
-            if expert not in held[count] and 0 <= expert < count:  # another rank's expert: no info, no part
-                if expert not in not_held:
-                    not_held[expert] = f"expert {expert} is not held by rank {parallel.rank}"
-                dropped.append((name, not_held[expert]))
-                continue
+        if expert is not None and placed.elsewhere(spec, expert):  # another rank's expert: no info, no part
+            placed.drop(name, expert)
+            continue
         info = tensors[name]
         for shard_id in shard_ids or (None,):
-            try:
-                part = parts.get(spec, shard_id, expert, info)
-            except ShardingError as exc:
-                problems.append(f"checkpoint tensor {name!r} in {info.file.name}: {spec.name}: {exc}")
-                failed.add(spec.name)
-                continue
-            if part is None:
-                if expert not in not_held:
-                    not_held[expert] = f"expert {expert} is not held by rank {parallel.rank}"
-                dropped.append((name, not_held[expert]))
-                continue
-            if interleaved and not local and spec.sharding.unit_rows(shard_id) and len(info.shape) and info.shape[0] > 1:
-                part = replace(part, rotary=spec.sharding.unit_rows(shard_id))
-            problem = _mismatch(name, info, spec, part, shard_id, layout, local)
-            if problem:
-                problems.append(problem)
-                failed.add(spec.name)  # its parameter is reported once, not again as incomplete
-                continue
-            # a part that is all zeros (a vocabulary shard of padding, gpt-oss w2_bias off the first
-            # rank) takes nothing from the tensor but completes the parameter
-            keys = [(spec.name, slot) for _, _, slot in part.pairs]
-            if not keys and part.zeros:
-                keys = [(spec.name, slot) for slot in spec.sharding.slots(parallel)]
-            clash = next((filled[k] for k in keys if k in filled), None)
-            if clash is not None:
-                problems.append(f"checkpoint tensors {clash!r} and {name!r} both fill parameter {spec.name}")
-                continue
-            filled.update({k: name for k in keys})
-            transpose = (spec.transposed and not local) or part.transpose
-            transform = None if local else spec.transform  # a rank-local file holds the parameters as they are
-            for src, dst, _ in part.pairs:
-                copy = Copy(name, swap_last(src) if transpose else src, dst, transpose, part.repeat, part.rotary, transform)
-                if part.check and (spec.name, dst) in shared:  # a part stored identically by several tensors
-                    checks[spec.name].append(copy)
-                else:
-                    copies[spec.name].append(copy)
-                    shared.add((spec.name, dst))
-            zeros[spec.name].extend(part.zeros)
-            used[name] = info
-
+            placed.add(name, info, spec, shard_id, expert, interleaved)
+    problems = placed.problems
     problems[:0] = _unplaced([(name, tensors[name], mapped) for name, mapped in unplaced], layout)
-    fills = _completeness(layout, checkpoint, filled, copies, zeros, problems, failed)
+    fills = _completeness(layout, checkpoint, placed.filled, placed.copies, placed.zeros, problems, placed.failed)
     if problems:
         raise PlanError(problems)
     return Plan(
         model_dir=str(checkpoint.directory),
         arch=layout.arch,
-        parallel=parallel,
+        parallel=layout.parallel,
         dtype=layout.dtype,
         params=tuple(
             ParamPlan(
                 s,
-                tuple(_merge_expert_runs(sorted(copies[s.name], key=lambda c: c.dst))),
-                tuple(zeros[s.name]),
+                tuple(_merge_expert_runs(sorted(placed.copies[s.name], key=lambda c: c.dst))),
+                tuple(placed.zeros[s.name]),
                 fills.get(s.name),
-                tuple(checks[s.name]),
+                tuple(placed.checks[s.name]),
             )
             for s in layout.params.values()
         ),
         schemes=layout.schemes,
-        tensors=used,
+        tensors=placed.used,
         aliases=layout.aliases,
-        dropped=tuple(dropped),
+        dropped=tuple(placed.dropped),
         checksums=checkpoint.checksums,
     )
+
+
+class _Placement:
+    """What the checkpoint's tensors give the rank's parameters, gathered tensor by tensor: copies,
+    zeros and checks per parameter, the slots filled, the tensors used and dropped, the problems."""
+
+    def __init__(self, layout: Layout, checkpoint: Checkpoint):
+        self.layout, self.parallel, self.local = layout, layout.parallel, checkpoint.rank_local
+        self.parts = _Parts(layout, checkpoint)
+        self.problems: list[str] = []
+        self.dropped: list[tuple[str, str]] = []
+        self.copies: dict[str, list[Copy]] = defaultdict(list)
+        self.zeros: dict[str, list[Box]] = defaultdict(list)
+        self.checks: dict[str, list[Copy]] = defaultdict(list)
+        self.filled: dict[tuple[str, Slot], str] = {}  # (parameter, slot) -> checkpoint tensor
+        self.shared: set[tuple[str, Box]] = set()  # (parameter, box) already filled by a copy
+        self.failed: set[str] = set()  # parameters a tensor could not fill (already a problem)
+        self.used: dict[str, TensorInfo] = {}
+        self.not_held: dict[int | None, str] = {}  # expert -> why its tensors are dropped
+        self.held: dict[int, frozenset[int]] = {}  # number of experts -> the experts this rank holds
+
+    def elsewhere(self, spec: ParamSpec, expert: int) -> bool:
+        """Whether ``expert`` of an expert-parallel parameter is another rank's (an expert out of range is a problem later)."""
+        sharding = spec.sharding
+        if not isinstance(sharding, ExpertSplit) or self.local:
+            return False
+        count = sharding.num_experts
+        if count not in self.held:
+            self.held[count] = sharding.held(self.parallel)
+        return expert not in self.held[count] and 0 <= expert < count
+
+    def drop(self, name: str, expert: int | None) -> None:
+        """Drop checkpoint tensor ``name``: ``expert`` is not held by this rank."""
+        if expert not in self.not_held:
+            self.not_held[expert] = f"expert {expert} is not held by rank {self.parallel.rank}"
+        self.dropped.append((name, self.not_held[expert]))
+
+    def add(self, name: str, info: TensorInfo, spec: ParamSpec, shard_id: ShardId | None, expert: int | None, interleaved: bool) -> None:
+        """Place what tensor ``name`` gives parameter ``spec`` (as ``shard_id``), or record why it cannot."""
+        local = self.local
+        try:
+            part = self.parts.get(spec, shard_id, expert, info)
+        except ShardingError as exc:
+            self.problems.append(f"checkpoint tensor {name!r} in {info.file.name}: {spec.name}: {exc}")
+            self.failed.add(spec.name)
+            return
+        if part is None:
+            self.drop(name, expert)
+            return
+        if interleaved and not local and spec.sharding.unit_rows(shard_id) and len(info.shape) and info.shape[0] > 1:
+            part = replace(part, rotary=spec.sharding.unit_rows(shard_id))
+        problem = _mismatch(name, info, spec, part, shard_id, self.layout, local)
+        if problem:
+            self.problems.append(problem)
+            self.failed.add(spec.name)  # its parameter is reported once, not again as incomplete
+            return
+        # a part that is all zeros (a vocabulary shard of padding, gpt-oss w2_bias off the first
+        # rank) takes nothing from the tensor but completes the parameter
+        keys = [(spec.name, slot) for _, _, slot in part.pairs]
+        if not keys and part.zeros:
+            keys = [(spec.name, slot) for slot in spec.sharding.slots(self.parallel)]
+        clash = next((self.filled[k] for k in keys if k in self.filled), None)
+        if clash is not None:
+            self.problems.append(f"checkpoint tensors {clash!r} and {name!r} both fill parameter {spec.name}")
+            return
+        self.filled.update({k: name for k in keys})
+        transpose = (spec.transposed and not local) or part.transpose
+        transform = None if local else spec.transform  # a rank-local file holds the parameters as they are
+        for src, dst, _ in part.pairs:
+            copy = Copy(name, swap_last(src) if transpose else src, dst, transpose, part.repeat, part.rotary, transform)
+            if part.check and (spec.name, dst) in self.shared:  # a part stored identically by several tensors
+                self.checks[spec.name].append(copy)
+            else:
+                self.copies[spec.name].append(copy)
+                self.shared.add((spec.name, dst))
+        self.zeros[spec.name].extend(part.zeros)
+        self.used[name] = info
 
 
 class _Router:
@@ -176,7 +195,6 @@ class _Router:
             unplaced.append((name, param))
         return None
 
-
     def _left_out(self, param: str) -> str | None:
         """Why ``param`` belongs to a module the layout leaves out (text_only), or None."""
         for regex, why in self.left_out:
@@ -197,10 +215,11 @@ class _Parts:
         self.parallel = layout.parallel
         self.rank_local = checkpoint.rank_local
         self._ids: dict[int, int] = {}  # id(descriptor) -> number of its equal class
-        self._classes: dict[Any, int] = {}
-        self._memo: dict[tuple[Any, ...], Part | None] = {}
+        self._classes: dict[Sharding, int] = {}
+        # (number of the descriptor's class, parameter shape, shard id, expert, tensor shape) -> its part
+        self._memo: dict[tuple[int, tuple[int, ...], ShardId | None, int | None, tuple[int, ...]], Part | None] = {}
 
-    def get(self, spec: ParamSpec, shard_id: Any, expert: int | None, info: TensorInfo) -> Part | None:
+    def get(self, spec: ParamSpec, shard_id: ShardId | None, expert: int | None, info: TensorInfo) -> Part | None:
         if self.rank_local:
             box = full_box(spec.local_shape)
             return Part(((box, box, None),), (), spec.local_shape)
@@ -219,7 +238,9 @@ class _Parts:
         return part
 
 
-def _mismatch(name: str, info: TensorInfo, spec: ParamSpec, part: Part, shard_id: Any, layout: Layout, local: bool) -> str | None:
+def _mismatch(
+    name: str, info: TensorInfo, spec: ParamSpec, part: Part, shard_id: ShardId | None, layout: Layout, local: bool
+) -> str | None:
     """A shape that is not the expected one, or a dtype that cannot become the parameter's."""
     stored = swap_last(part.expected) if (spec.transposed and not local) or part.transpose else part.expected
     if info.shape != stored:
@@ -255,7 +276,7 @@ def _mismatch(name: str, info: TensorInfo, spec: ParamSpec, part: Part, shard_id
 
 
 def _completeness(
-    layout: Layout, checkpoint: Checkpoint, filled: dict[tuple[str, Any], str],
+    layout: Layout, checkpoint: Checkpoint, filled: dict[tuple[str, Slot], str],
     copies: dict[str, list[Copy]], zeros: dict[str, list[Box]], problems: list[str], failed: set[str],
 ) -> dict[str, float]:
     """Every parameter covered exactly once, or defaulted; returns the defaults to fill. A
