@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .checkpoints import write_unit_scale_checkpoint
 
@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 __all__ = ["Dims", "jax_tp_forward", "torch_tp_decoder_layer", "write_unit_scale_checkpoint"]
 
 _MISSING = object()
+_Array = TypeVar("_Array", "torch.Tensor", "jax.Array")
 
 
 def _get(config: Any, key: str, default: Any = _MISSING) -> Any:
@@ -215,6 +216,14 @@ def _jax_rank_logits(
     return logits[..., : dims.vocab]
 
 
+def _split_qkv(qkv: _Array, batch: int, seq: int, nq: int, nkv: int, hd: int) -> tuple[_Array, _Array, _Array]:
+    """A fused QKV projection's ``[batch, seq, (nq + 2 nkv) hd]`` as q, k and v heads (torch or JAX)."""
+    q = qkv[..., : nq * hd].reshape(batch, seq, nq, hd)
+    k = qkv[..., nq * hd : (nq + nkv) * hd].reshape(batch, seq, nkv, hd)
+    v = qkv[..., (nq + nkv) * hd :].reshape(batch, seq, nkv, hd)
+    return q, k, v
+
+
 def _jax_attention(
     p: dict[str, jax.Array], x: jax.Array, att: str, dims: Dims, heads: tuple[int, int], cos: jax.Array, sin: jax.Array
 ) -> jax.Array:
@@ -231,9 +240,7 @@ def _jax_attention(
     qkv = _jax_mm("bsh,oh->bso", x, qkv_w)
     if att + "qkv_proj.bias" in p:
         qkv = qkv + p[att + "qkv_proj.bias"].astype(jnp.float32)
-    q = qkv[..., : nq * hd].reshape(batch, seq, nq, hd)
-    k = qkv[..., nq * hd : (nq + nkv) * hd].reshape(batch, seq, nkv, hd)
-    v = qkv[..., (nq + nkv) * hd :].reshape(batch, seq, nkv, hd)
+    q, k, v = _split_qkv(qkv, batch, seq, nq, nkv, hd)
     if att + "q_norm.weight" in p:
         q = _jax_rms(q, p[att + "q_norm.weight"].astype(jnp.float32), dims.eps)
         k = _jax_rms(k, p[att + "k_norm.weight"].astype(jnp.float32), dims.eps)
@@ -351,9 +358,7 @@ def _torch_attention(state: Mapping[str, torch.Tensor], x: torch.Tensor, att: st
     if qkv_w.shape[0] != (nq + 2 * nkv) * hd:
         raise ValueError(f"{att}qkv_proj.weight has {qkv_w.shape[0]} rows on this rank, expected {(nq + 2 * nkv) * hd}")
     qkv = F.linear(x, qkv_w, state[att + "qkv_proj.bias"].to(torch.float32) if att + "qkv_proj.bias" in state else None)
-    q = qkv[..., : nq * hd].reshape(batch, seq, nq, hd)
-    k = qkv[..., nq * hd : (nq + nkv) * hd].reshape(batch, seq, nkv, hd)
-    v = qkv[..., (nq + nkv) * hd :].reshape(batch, seq, nkv, hd)
+    q, k, v = _split_qkv(qkv, batch, seq, nq, nkv, hd)
     if att + "q_norm.weight" in state:
         q = _torch_rms(q, state[att + "q_norm.weight"].to(torch.float32), dims.eps)
         k = _torch_rms(k, state[att + "k_norm.weight"].to(torch.float32), dims.eps)
