@@ -10,7 +10,7 @@ from ..model.mapping import ShardId
 from .parallel import Parallel
 from .placement import Along, PerRank, Placement, Same
 from .segments import Box, Range, full_box
-from .sharding import Part, Sharding, Slot, _lead, _no_expert, _no_shard_id
+from .sharding import ExpertSlot, Part, Sharding, Slot, _lead, _no_expert, _no_shard_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,12 +42,13 @@ class ExpertSplit(Sharding):
 
     def slots(self, parallel: Parallel) -> list[Slot]:
         held, inner = parallel.expert_slots(self.num_experts), self.inner.slots(parallel.expert_tp)
-        return [(s, seg) for s in range(len(held)) for seg in inner]
+        return [ExpertSlot(s, seg) for s in range(len(held)) for seg in inner]
 
     def describe(self, slot: Slot, parallel: Parallel) -> str:
-        s, segment = slot
-        expert = parallel.expert_slots(self.num_experts)[s]
-        return f"expert {expert}" + (f" ({segment})" if segment is not None else "")
+        if not isinstance(slot, ExpertSlot):
+            raise TypeError(f"an expert parameter's slots are ExpertSlots, not {slot!r}")
+        expert = parallel.expert_slots(self.num_experts)[slot.slot]
+        return f"expert {expert}" + (f" ({slot.segment})" if slot.segment is not None else "")
 
     def held(self, parallel: Parallel) -> frozenset[int]:
         """The experts some local slot of this rank holds (:meth:`part` of any other is None)."""
@@ -65,18 +66,20 @@ class ExpertSplit(Sharding):
             if not 0 <= expert < self.num_experts:
                 raise ShardingError(f"expert {expert} is out of range; the config has {self.num_experts} experts")
             slots = [s for s, e in enumerate(held) if e == expert]
-            pairs = tuple((src, ((s, s + 1),) + dst, (s, seg)) for s in slots for src, dst, seg in inner.pairs)
+            pairs = tuple((src, ((s, s + 1),) + dst, ExpertSlot(s, seg)) for s in slots for src, dst, seg in inner.pairs)
             zeros = tuple(((s, s + 1),) + z for s in slots for z in inner.zeros)
             return Part(pairs, zeros, inner.expected, inner.check, repeat=inner.repeat) if slots else None
         pairs = tuple(
-            (((e, e + 1),) + src, ((s, s + 1),) + dst, (s, seg)) for s, e in enumerate(held) for src, dst, seg in inner.pairs
+            (((e, e + 1),) + src, ((s, s + 1),) + dst, ExpertSlot(s, seg)) for s, e in enumerate(held) for src, dst, seg in inner.pairs
         )
         zeros = tuple(((s, s + 1),) + z for s in range(len(held)) for z in inner.zeros)
         if self.flat:  # expert e's rows start at e * rows of the stored first dimension
             k = 1 if self.input_major else 0  # that dimension, in destination orientation
             n = inner.expected[k]
             fold = lambda box, e: box[:k] + ((box[k][0] + e * n, box[k][1] + e * n),) + box[k + 1 :]
-            pairs = tuple((fold(src, e), ((s, s + 1),) + dst, (s, seg)) for s, e in enumerate(held) for src, dst, seg in inner.pairs)
+            pairs = tuple(
+                (fold(src, e), ((s, s + 1),) + dst, ExpertSlot(s, seg)) for s, e in enumerate(held) for src, dst, seg in inner.pairs
+            )
             expected = inner.expected[:k] + (self.num_experts * n,) + inner.expected[k + 1 :]
             return Part(pairs, zeros, expected, inner.check, transpose=self.input_major, repeat=inner.repeat)
         expected = (self.num_experts,) + inner.expected
@@ -88,8 +91,8 @@ class ExpertSplit(Sharding):
         return self.inner.placement(parallel.expert_tp).shifted(1)
 
     @property
-    def split_dim(self) -> int | None:
-        dim = self.inner.split_dim
+    def segment_dim(self) -> int | None:
+        dim = self.inner.segment_dim
         return None if dim is None else dim + 1
 
     def to_json(self) -> dict[str, object]:
@@ -158,8 +161,8 @@ class Grouped(Sharding):
         return self.inner.placement(parallel)
 
     @property
-    def split_dim(self) -> int | None:
-        return self.inner.split_dim
+    def segment_dim(self) -> int | None:
+        return self.inner.segment_dim
 
     def to_json(self) -> dict[str, object]:
         return {"kind": "grouped", "size": self.size, "inner": self.inner.to_json()}

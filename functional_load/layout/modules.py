@@ -14,6 +14,7 @@ from ..model.expressions import Scope, evaluate
 from ..model.mapping import MappingTable
 from ..model.spec import ModuleSpec
 from .experts import expert_params
+from .param import TRANSFORMS
 from .quantized import Linear, ParamDef, Quantization, Scheme
 from .segments import Segment
 from .sharding import Replicated, Sharding, Split, VocabSplit
@@ -147,8 +148,6 @@ def module_params(
     return _linear_params(linear, scheme, dtype, bool(evaluate(f.get("bias", False), scope)))
 
 
-TRANSFORMS = ("neg_exp",)  # what a loader computes from the stored values (Mamba's A = -exp(A_log))
-
 
 def _param(suffix: str, fields: Mapping[str, object], scope: Scope, where: str, dtype: str) -> ParamDef:
     """One parameter of a ``params`` module: ``shape``; ``split`` (the dimension split over the
@@ -172,7 +171,8 @@ def _param(suffix: str, fields: Mapping[str, object], scope: Scope, where: str, 
     transform = fields.get("transform")
     if transform is not None and transform not in TRANSFORMS:
         raise ConfigError(f"{where}: transform {transform!r} is unknown; known: {TRANSFORMS}")
-    return ParamDef(suffix, shape, sharding, str(fields.get("dtype", dtype)), transform=transform)
+    known = None if transform is None else TRANSFORMS[TRANSFORMS.index(transform)]
+    return ParamDef(suffix, shape, sharding, str(fields.get("dtype", dtype)), transform=known)
 
 
 def _checkpoint_modules(module: str, stages: tuple[MappingTable, ...]) -> list[str]:

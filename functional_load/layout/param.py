@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from ..model.mapping import ShardId
 from .parallel import Parallel
 from .placement import PerRank, Placement, Same
 from .sharding import Sharding
+
+# What a parameter is in its module (a quantization format's scales, zero points...).
+Role = Literal["weight", "scale", "input_scale", "global_scale", "input_global_scale", "zero", "g_idx", "shape", "bias", "kv_scale"]
+Check = Literal["positive", "finite", "e8m0"]  # how read values are checked
+Transform = Literal["neg_exp"]  # what a loader computes from the stored values: -exp(x), Mamba's A from A_log
+CHECKS: tuple[Check, ...] = get_args(Check)
+TRANSFORMS: tuple[Transform, ...] = get_args(Transform)
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,10 +37,10 @@ class ParamSpec:
     transposed: bool = False
     default: float | None = None  # value when the checkpoint lacks it (KV-cache scales: vLLM's created value)
     derived: bool = False  # computed at load from another parameter (scales of online quantization)
-    check: str | None = None  # how read values are checked (layout.quantized.CHECKS), e.g. scales "positive"
+    check: Check | None = None  # how read values are checked, e.g. scales "positive"
     stored: tuple[str, ...] = ()  # dtypes the checkpoint must store it in (empty: any that casts)
-    role: str = "weight"  # what it is in its module: weight, scale, zero, bias... (layout.quantized.ParamDef)
-    transform: str | None = None  # computed from the stored values as read ("neg_exp": -exp(x), Mamba's A from A_log)
+    role: Role = "weight"  # what it is in its module: weight, scale, zero, bias... (layout.quantized.ParamDef)
+    transform: Transform | None = None  # computed from the stored values as read
 
     def placement(self, parallel: Parallel) -> Placement:
         """Where this parameter's values live across the ranks. A parameter computed at load from
@@ -46,6 +54,6 @@ class ParamSpec:
     def local_pieces(self, parallel: Parallel, dim: int = 0) -> list[tuple[ShardId | None, tuple[int, int]]]:
         """``(segment id, local range)`` along ``dim`` on this rank: each fused segment's, when the
         parameter's segments lie along ``dim``; else one ``(None, whole dimension)`` piece."""
-        if self.sharding.split_dim == dim:
+        if self.sharding.segment_dim == dim:
             return self.sharding.segment_ranges(self.shape, parallel)
         return [(None, (0, self.local_shape[dim] if self.local_shape else 1))]

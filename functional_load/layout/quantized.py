@@ -19,7 +19,7 @@ from ..dtypes import FLOAT8
 from ..errors import ConfigError
 from ..model.mapping import MappingTable, ShardId
 from .parallel import Parallel
-from .param import ParamSpec
+from .param import Check, ParamSpec, Role, Transform
 from .segments import Segment
 from .sharding import Replicated, Sharding, Split
 
@@ -30,14 +30,13 @@ if TYPE_CHECKING:
 # How a parameter's values are checked as they are read (scales: before any weight):
 # "positive": finite and > 0 (FP8/int8 and KV-cache scales); "finite": finite, any sign
 # (integer group scales, some producers store negative ones); "e8m0": not 0xFF (the e8m0 NaN).
-CHECKS = ("positive", "finite", "e8m0")
 FP8_DTYPES = FLOAT8
 
 
 class ParamDef(NamedTuple):
     """One parameter of a module: its name after the module's, its global shape (what the
     checkpoint holds), descriptor and dtype; ``default`` is the value it keeps when the checkpoint
-    lacks it (None: the checkpoint must hold it); ``check`` one of :data:`CHECKS`; ``stored``: the
+    lacks it (None: the checkpoint must hold it); ``check`` one of :data:`~.param.CHECKS`; ``stored``: the
     dtypes the checkpoint must store it in (empty: any that casts); ``role``: what it is."""
 
     suffix: str
@@ -45,10 +44,10 @@ class ParamDef(NamedTuple):
     sharding: Sharding
     dtype: str
     default: float | None = None
-    check: str | None = None
+    check: Check | None = None
     stored: tuple[str, ...] = ()
-    role: str = "weight"  # weight | scale | input_scale | zero | g_idx | shape | global_scale | bias | kv_scale
-    transform: str | None = None  # what vLLM's loader computes from the stored values ("neg_exp": Mamba's A)
+    role: Role = "weight"
+    transform: Transform | None = None  # what vLLM's loader computes from the stored values
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,7 +213,7 @@ class Quantization(Protocol):
     def method(self) -> str: ...
 
     @property
-    def kv_params(self) -> Sequence[tuple[str, tuple[int, ...], str, float, str | None]]:
+    def kv_params(self) -> Sequence[tuple[str, tuple[int, ...], str, float, Check | None]]:
         """(name, shape, dtype or "model", created value, check) of each KV-cache parameter."""
         ...
 

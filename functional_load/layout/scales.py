@@ -217,7 +217,7 @@ class Blocked(Sharding):
         return self.split.placement(parallel)
 
     @property
-    def split_dim(self) -> int | None:
+    def segment_dim(self) -> int | None:
         return self.split.dim
 
     def to_json(self) -> dict[str, object]:
@@ -310,7 +310,7 @@ class ExpertBlocks(Sharding):
         return Along(1 if self.down else 0)
 
     @property
-    def split_dim(self) -> int | None:
+    def segment_dim(self) -> int | None:
         return None
 
     def to_json(self) -> dict[str, object]:

@@ -10,7 +10,6 @@ it is built.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
 
 from ..errors import ConfigError, ShardingError
 from ..model.mapping import ShardId
@@ -32,7 +31,16 @@ from .segments import (
     with_range,
 )
 
-Slot = Any  # a key of what must be filled: a segment id, (expert slot, segment id) or None
+
+@dataclass(frozen=True, slots=True)
+class ExpertSlot:
+    """What a local expert slot must be filled with: its ``segment`` (of a fused expert weight, or None)."""
+
+    slot: int
+    segment: Slot  # the inner parameter's slot
+
+
+Slot = ShardId | ExpertSlot | None  # a key of what must be filled: a segment id, an expert slot's, or None (the whole)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,8 +114,9 @@ class Sharding:
         return Same()
 
     @property
-    def split_dim(self) -> int | None:
-        """The dimension the fused segments are laid out along (None: not split)."""
+    def segment_dim(self) -> int | None:
+        """The dimension the fused segments (q, k, v; gate, up) are laid out along, or None: not
+        where the parameter is split across ranks, which :meth:`placement` says."""
         return None
 
     def describe(self, slot: Slot, parallel: Parallel) -> str:
@@ -269,7 +278,7 @@ class Split(Sharding):
         return Same() if self.disable_tp else Along(self.dim)
 
     @property
-    def split_dim(self) -> int | None:
+    def segment_dim(self) -> int | None:
         return self.dim
 
     def to_json(self) -> dict[str, object]:

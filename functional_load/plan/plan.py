@@ -16,6 +16,7 @@ from ..checkpoint import TensorInfo
 from ..dtypes import itemsize, torch_itemsize
 from ..layout.build import ParamSpec
 from ..layout.parallel import Parallel
+from ..layout.param import Transform
 from ..layout.quantized import Scheme
 from ..layout.segments import Box, box_volume, full_box
 from ..storage import StoredPath
@@ -41,7 +42,7 @@ class Copy:
     transpose: bool = False
     repeat: tuple[int, ...] = ()
     rotary: int = 0
-    transform: str | None = None  # "neg_exp": the values are -exp(stored), in float32 (Mamba's A from A_log)
+    transform: Transform | None = None  # "neg_exp": the values are -exp(stored), in float32 (Mamba's A from A_log)
 
     def arrange(self, block: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         """``block`` (a torch tensor read as ``src``) in the destination's orientation and ``shape``."""

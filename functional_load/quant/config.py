@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ..errors import ConfigError
+from ..layout.param import Check
 from ..layout.quantized import Scheme
 from ..model.mapping import MappingTable
 
-KVParam = tuple[str, tuple[int, ...], str, float, str | None]  # name, shape, dtype ("model": the model's), created value, check
+KVParam = tuple[str, tuple[int, ...], str, float, Check | None]  # name, shape, dtype ("model": the model's), created value, check
 
 
 @dataclass(frozen=True, slots=True)

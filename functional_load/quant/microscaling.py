@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
 from ..layout.parallel import Parallel
-from ..layout.param import ParamSpec
+from ..layout.param import Check, ParamSpec, Role
 from ..layout.quantized import Linear, ParamDef
 from ..layout.scales import Slots
 
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 
 def grouped_params(
-    linear: Linear, weight: str, weight_dtype: str, stored: tuple[str, ...], pack: int, group: int, scale_dtype: str, check: str,
+    linear: Linear, weight: str, weight_dtype: str, stored: tuple[str, ...], pack: int, group: int, scale_dtype: str, check: Check,
 ) -> list[ParamDef]:
     """The weight ``[out, in / pack]`` and its group scales ``[out, in / group]``."""
     out, inp = linear.out_size, linear.in_size
@@ -38,7 +38,7 @@ def grouped_params(
     ]
 
 
-def per_shard(name: str, linear: Linear, role: str) -> ParamDef:
+def per_shard(name: str, linear: Linear, role: Role) -> ParamDef:
     """A per-tensor scale of each logical shard of a fused linear (one for a plain one)."""
     ids = linear.slot_ids()
     return ParamDef(name, (len(ids),), Slots(ids), "float32", check="positive", role=role)
