@@ -21,7 +21,7 @@ import torch
 import functional_load as fl
 from functional_load.errors import IntegrityError, MissingFileError
 from functional_load.io import execute
-from functional_load.storage import Kind, ObjectPath, ObjectStamp, Stamp, StoredPath, as_path, register_scheme
+from functional_load.storage import LOCAL, Kind, LocalStorage, ObjectPath, ObjectStamp, Stamp, StoredPath, as_path, register_scheme
 
 
 class MemoryPath(ObjectPath):
@@ -148,3 +148,38 @@ def test_load_jax_and_a_save_from_another_storage(store, tmp_path: Path) -> None
         again, want = fl.load(saved, tp_size=2, rank=rank, progress=False), fl.load(local, tp_size=2, rank=rank, progress=False)
         for name in want:
             np.testing.assert_array_equal(_bits(again[name]), _bits(want[name]), err_msg=name)
+
+
+@pytest.mark.parametrize("which", ["local", "memory"])
+def test_every_storage_keeps_the_protocol(tmp_path: Path, which: str) -> None:
+    """The Storage contract, on the local file system and the in-memory double alike: kinds,
+    listing, stamps, short reads at the end only, reads into buffers that refuse another version
+    of the file and an early end."""
+    data = bytes(range(256)) * 4
+    if which == "local":
+        storage: LocalStorage | MemoryStorage = LOCAL
+        directory: StoredPath = tmp_path / "model"
+        directory.mkdir()
+        (directory / "a.safetensors").write_bytes(data)
+        (directory / "b.json").write_bytes(b"{}")
+        replace = lambda: (directory / "a.safetensors").write_bytes(data[:-1] + b"x")
+    else:
+        storage = MemoryStorage()
+        directory = MemoryPath("/bucket/model")
+        storage.put("/bucket/model/a.safetensors", data)
+        storage.put("/bucket/model/b.json", b"{}")
+        replace = lambda: storage.put("/bucket/model/a.safetensors", data)
+    file = directory / "a.safetensors"
+    assert storage.kind(directory) == "directory" and storage.kind(file) == "file" and storage.kind(directory / "c") == "missing"
+    assert storage.list_files(directory, "*.safetensors") == [file]
+    stamp = storage.stamp(file)
+    assert stamp.size == len(data) and storage.read(file, 1000, 100) == data[1000:]
+    out = bytearray(16)
+    assert storage.read_into(file, 8, memoryview(out), stamp) == 16 and bytes(out) == data[8:24]
+    with pytest.raises(IntegrityError):
+        storage.read_into(file, len(data) - 4, memoryview(bytearray(16)), stamp)
+    with pytest.raises(MissingFileError):
+        storage.stamp(directory / "c")
+    replace()
+    with pytest.raises(IntegrityError, match=str(file)):
+        storage.read_into(file, 0, memoryview(out), stamp)

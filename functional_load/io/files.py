@@ -33,7 +33,7 @@ from ..layout.segments import Box
 from ..storage import Stamp, StoredPath
 from ..storage.local import file_stamp
 from .options import MiB, ReadOptions
-from .runs import Run, box_runs, read_run
+from .runs import Run, box_runs, gather_runs, read_run
 
 _ALIGN = 4096
 
@@ -214,13 +214,7 @@ class PreadReader:
         mapping = mmap.mmap(fd, first - start + int(offsets[-1] - offsets[0]) + run, prot=mmap.PROT_READ, offset=start)
         try:
             source = np.frombuffer(mapping, dtype=np.uint8)[first - start :]
-            dest = np.frombuffer(out, dtype=np.uint8).reshape(len(offsets), run)
-            steps = np.diff(offsets)
-            if np.all(steps == steps[0]):
-                np.copyto(dest, np.lib.stride_tricks.as_strided(source, shape=dest.shape, strides=(int(steps[0]), 1)))
-            else:
-                for i, offset in enumerate((offsets - offsets[0]).tolist()):
-                    dest[i] = source[offset : offset + run]
+            gather_runs(source, offsets, run, out)
             del source
         finally:
             mapping.close()

@@ -16,7 +16,7 @@ from ..checkpoint import FileSpan, TensorInfo
 from ..layout.segments import Box
 from ..storage import storage_for
 from .files import Tally, span_of
-from .runs import Run, box_runs
+from .runs import Run, box_runs, gather_runs
 
 
 class StorageReader:
@@ -42,9 +42,7 @@ class StorageReader:
         elif stop - first <= self._max_over_read * run * len(offsets):
             block = np.empty(stop - first, dtype=np.uint8)
             self._read(span, first, block.data)
-            dest = np.frombuffer(out, dtype=np.uint8).reshape(len(offsets), run)
-            for i, offset in enumerate((offsets - first).tolist()):
-                dest[i] = block[offset : offset + run]
+            gather_runs(block, offsets, run, out)
         else:
             for i, offset in enumerate(offsets.tolist()):
                 self._read(span, offset, out[i * run : (i + 1) * run])

@@ -58,6 +58,20 @@ def box_runs(info: TensorInfo, box: Box, out: memoryview) -> tuple[np.ndarray, i
     return offsets, run
 
 
+def gather_runs(source: np.ndarray, offsets: np.ndarray, run: int, out: memoryview) -> None:
+    """Copy the runs of ``source`` (bytes from the first run's start; ``offsets`` of the box, as
+    :func:`byte_runs` gives them) into ``out``, one after another: one strided copy when the runs
+    are evenly spaced (a row-parallel slice), else one copy per run."""
+    dest = np.frombuffer(out, dtype=np.uint8).reshape(len(offsets), run)
+    steps = np.diff(offsets)
+    if len(offsets) == 1 or np.all(steps == steps[0]):
+        stride = int(steps[0]) if len(steps) else run
+        np.copyto(dest, np.lib.stride_tricks.as_strided(source, shape=dest.shape, strides=(stride, 1)))
+    else:
+        for i, offset in enumerate((offsets - offsets[0]).tolist()):
+            dest[i] = source[offset : offset + run]
+
+
 MAX_VIEWS = 512  # destinations per preadv call (Linux's IOV_MAX is 1024)
 
 

@@ -39,7 +39,8 @@ class ObjectStamp:
     version: str
 
     def change(self, then: Stamp) -> str:
-        return f"size {then.size} -> {self.size}, version {getattr(then, 'version', '?')!r} -> {self.version!r}"
+        before = then.version if isinstance(then, ObjectStamp) else "?"
+        return f"size {then.size} -> {self.size}, version {before!r} -> {self.version!r}"
 
 
 Stamp = FileStamp | ObjectStamp
