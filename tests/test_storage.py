@@ -20,7 +20,7 @@ import torch
 
 import functional_load as fl
 from functional_load.errors import IntegrityError, MissingFileError
-from functional_load.io import execute
+from functional_load.io import ReadOptions, execute
 from functional_load.storage import LOCAL, Kind, LocalStorage, ObjectPath, ObjectStamp, Stamp, StoredPath, as_path, register_scheme
 
 
@@ -183,3 +183,18 @@ def test_every_storage_keeps_the_protocol(tmp_path: Path, which: str) -> None:
     replace()
     with pytest.raises(IntegrityError, match=str(file)):
         storage.read_into(file, 0, memoryview(out), stamp)
+
+
+def test_row_slices_read_as_one_range_when_over_read_allows(store) -> None:
+    """With ``max_over_read``, a row-parallel slice is one ranged read of its span, gathered: the
+    same tensors, more bytes fetched, far fewer requests."""
+    storage, local = store
+    exact_requests = storage.requests
+    fl.load("memory://bucket/llama", tp_size=4, rank=1, progress=False)
+    exact = storage.requests - exact_requests, storage.data_bytes
+    spans = fl.load("memory://bucket/llama", tp_size=4, rank=1, progress=False, read=ReadOptions(max_over_read=8.0))
+    want = fl.load(local, tp_size=4, rank=1, progress=False)
+    for name in want:
+        np.testing.assert_array_equal(_bits(spans[name]), _bits(want[name]), err_msg=name)
+    assert spans.stats.bytes_read > want.stats.bytes_read
+    assert storage.requests - exact_requests - exact[0] < exact[0]
