@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
 
 from ..errors import ConfigError
 from ..layout.experts import from_linears
@@ -181,17 +181,17 @@ class Fp8Scheme(BaseScheme):
         if target != "checkpoint" and self.strategy in ("tensor", "channel"):
             weight = weight.T  # kernel layouts hold [in, out]; a per-tensor scale is one scalar
             if self.strategy == "tensor":
-                return torch.from_numpy(dequantize_cells(weight, [((0, weight.shape[0]), scale.reshape(1, 1), weight.shape)]))
+                return torch.from_numpy(dequantize_cells(weight, [Cells((0, weight.shape[0]), scale.reshape(1, 1), weight.shape)]))
         rows, cols = weight.shape
         if self.strategy == "channel":
-            return torch.from_numpy(dequantize_cells(weight, [((0, rows), scale.reshape(-1, 1), (1, cols))]))
+            return torch.from_numpy(dequantize_cells(weight, [Cells((0, rows), scale.reshape(-1, 1), (1, cols))]))
         pieces = specs["weight"].local_pieces(parallel)
         if self.strategy == "tensor":  # one scale per fused segment (in order), over that segment's rows
             flat = scale.reshape(-1)
-            cells = [((a, b), flat[k].reshape(1, 1), (b - a, cols)) for k, (_, (a, b)) in enumerate(pieces)]
+            cells = [Cells((a, b), flat[k].reshape(1, 1), (b - a, cols)) for k, (_, (a, b)) in enumerate(pieces)]
             return torch.from_numpy(dequantize_cells(weight, cells))
         weight_rows = dict(pieces)  # block: each segment's scale blocks over its rows
-        blocks = [(weight_rows.get(segment, (0, rows)), scale[b0:b1], self.block_size) for segment, (b0, b1) in
+        blocks = [Cells(weight_rows.get(segment, (0, rows)), scale[b0:b1], self.block_size) for segment, (b0, b1) in
                   specs[self.scale_name].local_pieces(parallel)]
         return torch.from_numpy(dequantize_cells(weight, blocks))
 
@@ -202,18 +202,18 @@ class Fp8Scheme(BaseScheme):
         experts, out, inp = weight.shape
         halves = 2 if stem == "w13" else 1  # w13's rows: w1's, then w3's, each with its own scales
         if self.strategy == "channel":
-            cells = [((0, out), scale, (1, inp))]
+            cells = [Cells((0, out), scale, (1, inp))]
         elif self.strategy == "block":
             hidden = specs["w13_weight"].shape[2]
             grid = ExpertBlocks(specs["w13_weight"].shape[1] // 2, hidden, self.block_size, refine=self.block_rule == "fp8").grid(
                 parallel.expert_tp
             )
             half, per = out // halves, scale.shape[1] // halves
-            cells = [((h * half, (h + 1) * half), scale[:, h * per : (h + 1) * per], grid) for h in range(halves)]
+            cells = [Cells((h * half, (h + 1) * half), scale[:, h * per : (h + 1) * per], grid) for h in range(halves)]
         elif stem == "w13" and scale.ndim == 2:  # a scale per expert and shard: w1's rows, then w3's
-            cells = [((h * out // 2, (h + 1) * out // 2), scale[:, h].reshape(experts, 1, 1), (out // 2, inp)) for h in range(2)]
+            cells = [Cells((h * out // 2, (h + 1) * out // 2), scale[:, h].reshape(experts, 1, 1), (out // 2, inp)) for h in range(2)]
         else:
-            cells = [((0, out), scale.reshape(-1, 1, 1), (out, inp))]
+            cells = [Cells((0, out), scale.reshape(-1, 1, 1), (out, inp))]
         return torch.from_numpy(dequantize_cells(weight, cells))
 
     def apply_target(
@@ -262,12 +262,12 @@ class Fp8Boxes:
         rows, cols = weight.shape
         geometry = self.geometry
         if isinstance(geometry, TensorScale):
-            cells = ((0, rows), scale.reshape(1, 1), (rows, cols), (0, 0))
+            cells = Cells((0, rows), scale.reshape(1, 1), (rows, cols))
         elif isinstance(geometry, ChannelScale):
-            cells = ((0, rows), scale.reshape(-1, 1), (1, cols), (0, 0))
+            cells = Cells((0, rows), scale.reshape(-1, 1), (1, cols))
         else:
             (r0, _), (c0, _) = box
-            cells = ((0, rows), scale, geometry.size, (r0 % geometry.size[0], c0 % geometry.size[1]))
+            cells = Cells((0, rows), scale, geometry.size, (r0 % geometry.size[0], c0 % geometry.size[1]))
         return dequantize_cells(weight.astype(np.float32), [cells])
 
 
@@ -284,22 +284,25 @@ class Int8Scheme(Fp8Scheme):
         return "int8"
 
 
-Cells = tuple[tuple[int, int], "np.ndarray", tuple[int, int]] | tuple[tuple[int, int], "np.ndarray", tuple[int, int], tuple[int, int]]
+class Cells(NamedTuple):
+    """Weight rows ``[a, b)`` (of the last two dimensions; leading ones, an expert's, go along)
+    whose scales are ``scale``, each cell covering ``grid`` values, the rows starting ``offset``
+    values into their first cell (a box of a block-scaled weight)."""
+
+    rows: tuple[int, int]
+    scale: np.ndarray
+    grid: tuple[int, int]
+    offset: tuple[int, int] = (0, 0)
 
 
 def dequantize_cells(weight: np.ndarray, cells: Sequence[Cells]) -> npt.NDArray[np.float32]:
-    """``W = q * scale`` in float32, the one FP8 (and INT8) dequantization: each entry of ``cells``
-    is ``(rows, scale, grid[, offset])``: the weight rows ``[a, b)`` (of the last two dimensions;
-    leading ones, an expert's, go along) whose scales are ``scale``, each cell covering ``grid``
-    values, the rows starting ``offset`` values into their first cell (a box of a block-scaled
-    weight). Rows no entry covers are left uninitialised."""
+    """``W = q * scale`` in float32, the one FP8 (and INT8) dequantization, over the rows each of
+    ``cells`` covers (rows none covers are left uninitialised)."""
     import numpy as np
 
     out = np.empty(weight.shape, dtype=np.float32)
     cols = weight.shape[-1]
-    for entry in cells:
-        (a, b), scale, (gr, gc) = entry[:3]
-        r0, c0 = entry[3] if len(entry) == 4 else (0, 0)
+    for (a, b), scale, (gr, gc), (r0, c0) in cells:
         expanded = np.repeat(np.repeat(np.asarray(scale, dtype=np.float32), gr, axis=-2), gc, axis=-1)
         np.multiply(weight[..., a:b, :], expanded[..., r0 : r0 + b - a, c0 : c0 + cols], out=out[..., a:b, :], dtype=np.float32)
     return out
