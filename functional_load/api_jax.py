@@ -17,25 +17,24 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .api import Model, _checkpoint, plan, resolve_model_dir
-from .checkpoint import TensorInfo
 from .checkpoint.discover import checkpoint_format
 from .checkpoint.sharded import read_manifest
-from .dtypes import numpy_name, to_numpy, torch_name
+from .dtypes import numpy_name, to_numpy, to_torch
 from .errors import ConfigError, PlanError
 from .io import Reader, reader_for
 from .io.execute import show_progress
-from .layout.axes import Range, view_to_dims
+from .io.fill import fill
+from .layout.axes import Range
 from .layout.build import build_layout
 from .model.config import model_dtype, read_config
 from .model.spec import spec_for_config
 from .model.targetmap import Drop, Rule, TargetMap, as_target_map
 from .options import LoadOptions, resolve_options
-from .output.arrays import Progress, build_arrays, device_boxes, file_order
-from .output.jax import local_tp_ranks, tp_axes_of, vllm_arrays
+from .output.arrays import Progress, block_bytes, build_arrays, device_boxes, file_order
+from .output.jax import as_numpy, local_tp_ranks, tp_axes_of, vllm_arrays
 from .plan import Plan
 from .plan.target import Leaf, LeafPlan, TargetPlan, plan_target
 from .quant import parse_quant_config
-from .transform.arrange import arrange_block, block_bytes
 
 if TYPE_CHECKING:
     import jax
@@ -225,34 +224,15 @@ def plan_jax_target(
 def _target(model: Any, tree: object, target_map: TargetMap, mesh: Mesh | None, reader: Reader | None, opts: LoadOptions) -> Any:
     import jax
     import numpy as np
+    import torch
 
     the_plan, treedef = plan_jax_target(model, tree, target_map, opts, mesh)
     leaves = [p.leaf for p in the_plan.leaves]
 
     def block(i: int, box: tuple[Range, ...]) -> np.ndarray:
-        leaf_plan = the_plan.leaves[i]
-        view = leaf_plan.view
-
-        def raw(info: TensorInfo, source_box: tuple[Range, ...], groups: tuple[tuple[int, ...], ...]) -> np.ndarray:
-            out = np.empty(tuple(b - a for a, b in source_box), dtype=to_numpy(torch_name(info.dtype)))
-            active.read_view(info, groups, source_box, out.reshape(-1).view(np.uint8).data)
-            return out
-
-        def read(which: tuple[int, ...], source_box: tuple[Range, ...]) -> np.ndarray:
-            info = leaf_plan.sources[which]
-            dequantizer = leaf_plan.dequantizer
-            if dequantizer is None:
-                return raw(info, source_box, view)
-            outer, picks = view_to_dims(view, source_box)  # dequantized in the tensor's own [out, in]
-            scales = {}
-            for suffix in dequantizer.scale_names:
-                scale = leaf_plan.scales[(which, suffix)]
-                scale_box = dequantizer.scale_box(suffix, outer, scale.shape)
-                scales[suffix] = raw(scale, scale_box, tuple((n,) for n in scale.shape))
-            dense = dequantizer.apply(raw(info, outer, tuple((n,) for n in info.shape)), scales, outer)
-            return dense[np.ix_(*picks)].reshape(tuple(b - a for a, b in source_box))
-
-        return arrange_block(leaf_plan.arrangement, box, read, to_numpy(leaf_plan.leaf.dtype), leaf_plan.scale)
+        tensor = torch.empty(tuple(b - a for a, b in box), dtype=to_torch(leaves[i].dtype))
+        fill(the_plan.tensors, tensor, the_plan.leaves[i].box_plan(box), active)
+        return as_numpy(tensor)
 
     first = [_first_byte(p) for p in the_plan.leaves]
     active = reader or Reader(opts.read, dict(the_plan.checksums))

@@ -154,11 +154,10 @@ def _rank_problems(the_plan: Plan, state: State, reference: Mapping[Key, torch.T
         for copy in param.copies:
             dst = tensor[tuple(slice(a, b) for a, b in copy.dst)]
             key = (the_plan.tensors[copy.tensor].file, copy.tensor)
-            src = reference[key][tuple(slice(a, b) for a, b in copy.src)]
-            src = copy.arrange(src, tuple(dst.shape)).to(tensor.dtype)
+            src = copy.arrange(copy.take(reference[key]), tuple(dst.shape)).to(tensor.dtype)
             if not torch.equal(_bits(dst), _bits(src)):
                 problems.append(f"rank {rank}: {param.spec.name}{list(copy.dst)} differs from {copy.tensor}{list(copy.src)}")
-            covered[key][tuple(slice(a, b) for a, b in copy.src)] = True
+            copy.take(covered[key])[...] = True
         for box in param.zeros:
             if torch.count_nonzero(tensor[tuple(slice(a, b) for a, b in box)].float()):
                 problems.append(f"rank {rank}: padding {list(box)} of {param.spec.name} is not zero")

@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 
 from functional_load.errors import ConfigError
 from functional_load.layout.axes import Arrangement, Axis, split_range
+from functional_load.plan.copy import BoxPlan
 from functional_load.plan.rotary import to_halves, to_pairs
-from functional_load.transform.arrange import arrange_block
 
 
 def reference(arrangement: Arrangement, sources: np.ndarray) -> np.ndarray:
@@ -47,15 +47,43 @@ def reference(arrangement: Arrangement, sources: np.ndarray) -> np.ndarray:
     return block.reshape(arrangement.shape)
 
 
-def assemble(arrangement: Arrangement, sources: np.ndarray, box: tuple[tuple[int, int], ...]) -> np.ndarray:
-    """The block through arrange_block, reading from the full sources array."""
+def box_plan(arrangement: Arrangement, box: tuple[tuple[int, int], ...]) -> BoxPlan:
+    """The box plan a target leaf of ``arrangement`` compiles for ``box`` (sources named by their stacked index)."""
+    from functional_load.plan.target import Leaf, LeafPlan
+
     k = arrangement.stacked
-    view = sources.reshape(tuple(a.size for a in arrangement.axes[:k]) + arrangement.source_view)
+    infos = {which: _Info(str(which)) for which in itertools.product(*(range(a.size) for a in arrangement.axes[:k]))}
+    leaf = LeafPlan(Leaf("x", arrangement.shape, "int64", None), "x", arrangement, infos)  # type: ignore[arg-type]
+    return leaf.box_plan(box)
 
-    def read(which: tuple[int, ...], src: tuple[tuple[int, int], ...]) -> np.ndarray:
-        return view[which + tuple(slice(a, b) for a, b in src)].copy()
 
-    return arrange_block(arrangement, box, read, sources.dtype)
+class _Info:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def assemble(arrangement: Arrangement, sources: np.ndarray, box: tuple[tuple[int, int], ...]) -> np.ndarray:
+    """The block through the compiled box plan and the executor's ``Copy.arrange``, each copy
+    reading its box from the full sources array."""
+    import torch
+
+    k = arrangement.stacked
+    stacked = tuple(a.size for a in arrangement.axes[:k])
+    whole = torch.from_numpy(sources.reshape(stacked + (-1,)))
+    shape = tuple(a.size for g in arrangement.source for a in (arrangement.axes[i] for i in g))
+    stored = tuple(math.prod(arrangement.axes[i].size for i in g) for g in arrangement.source)
+    out = torch.full(tuple(b - a for a, b in box), -1, dtype=torch.int64)
+    plan = box_plan(arrangement, box)
+    for zero in plan.zeros:
+        out[tuple(slice(a, b) for a, b in zero)] = 0
+    for copy in plan.copies:
+        which = tuple(int(i) for i in copy.tensor.strip("(),").split(",") if i.strip()) if k else ()
+        tensor = whole[which].reshape(stored)
+        block = copy.take(tensor)
+        assert tuple(block.shape) == copy.shape and math.prod(shape) == tensor.numel()
+        dst = out[tuple(slice(a, b) for a, b in copy.dst)]
+        dst.copy_(copy.arrange(block, tuple(dst.shape)))
+    return out.numpy()
 
 
 def test_split_range_worked_example() -> None:

@@ -62,36 +62,6 @@ class LoadStats:
         )
 
 
-def split_copy(copy: Copy, nbytes_per_element: int, chunk: int) -> list[Copy]:
-    """``copy`` cut along the first dimension of its source box into pieces of about ``chunk``
-    bytes (the matching destination rows follow: the same dimension, or the other one of a
-    transposed 2-D block, after any leading slot dimension of an expert parameter). Copies that
-    repeat elements (refined block scales, a few bytes) stay whole."""
-    rows = copy.src[0][1] - copy.src[0][0] if copy.src else 0
-    nbytes = box_volume(copy.src) * nbytes_per_element
-    parts = min(rows, -(-nbytes // chunk)) if rows else 1
-    if parts <= 1 or copy.repeat:
-        return [copy]
-    lead = max(0, len(copy.dst) - len(copy.src))
-    dim = lead + (1 if copy.transpose and len(copy.src) == 2 else 0)
-    (s0, s1), (d0, _) = copy.src[0], copy.dst[dim]
-    unit = copy.rotary or 1  # whole heads when rows are permuted within a head
-    cuts = [s0 + (s1 - s0) // unit * i // parts * unit for i in range(parts)] + [s1]
-    return [
-        Copy(
-            copy.tensor,
-            ((a, b),) + copy.src[1:],
-            copy.dst[:dim] + ((d0 + a - s0, d0 + b - s0),) + copy.dst[dim + 1 :],
-            copy.transpose,
-            copy.repeat,
-            copy.rotary,
-            copy.transform,
-        )
-        for a, b in zip(cuts, cuts[1:])
-        if b > a
-    ]
-
-
 def show_progress(progress: bool | None, bytes_to_read: int) -> bool:
     """Library calls are quiet: a bar only when asked, or for a long load; ``TQDM_DISABLE`` wins."""
     if os.environ.get("TQDM_DISABLE", "").lower() in ("1", "true", "yes"):
@@ -180,7 +150,7 @@ def _read_scales(plan: Plan, fixed: list[ParamPlan], out: dict[str, torch.Tensor
     """Read and check the scales, before any weight: a bad one stops the load early."""
     for param in (p for p in fixed if is_scale(p)):
         for copy in param.copies:
-            copy_into(plan, out[param.spec.name], copy, reader)
+            copy_into(plan.tensors, out[param.spec.name], copy, reader)
         check_scale(plan, param, out[param.spec.name])
 
 
@@ -192,13 +162,13 @@ def _units(plan: Plan, fixed: list[ParamPlan], out: dict[str, torch.Tensor], rea
             for p in fixed
             if not is_scale(p)
             for c in p.copies
-            for piece in split_copy(c, _element_bytes(plan, c), CHUNK_BYTES)
+            for piece in c.split(_element_bytes(plan, c), CHUNK_BYTES)
         ),
         key=lambda job: _file_order(plan, job[1]),
     )
     units: list[Run | Job] = list(jobs)
     if reader.sequential:  # abutting direct copies: one preadv each stretch
-        units = join_runs(plan, jobs, lambda job: direct_bytes(plan, out[job[0].spec.name], job[1]), CHUNK_BYTES)
+        units = join_runs(plan, jobs, lambda job: direct_bytes(plan.tensors, out[job[0].spec.name], job[1]), CHUNK_BYTES)
     return units
 
 
@@ -246,7 +216,7 @@ def _run(plan: Plan, units: list[Run | Job], out: dict[str, torch.Tensor], reade
             done = unit.nbytes
         else:
             param, copy = unit
-            copy_into(plan, out[param.spec.name], copy, reader)
+            copy_into(plan.tensors, out[param.spec.name], copy, reader)
             done = plan.copy_bytes(copy)
         if bar is not None:
             bar.update(done)

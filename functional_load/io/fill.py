@@ -11,18 +11,25 @@ from __future__ import annotations
 import math
 import mmap
 import threading
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, TypeAlias
 
-from ..dtypes import to_torch, torch_itemsize, torch_name
+from ..checkpoint import TensorInfo
+from ..dtypes import to_numpy, to_torch, torch_itemsize, torch_name
 from ..errors import CheckpointError
+from ..layout.axes import view_to_dims
 from ..layout.param import ParamSpec
 from ..layout.segments import Box, box_volume, full_box
-from ..plan.plan import Copy, ParamPlan, Plan
+from ..plan.copy import Copy, Destination
+from ..plan.plan import ParamPlan, Plan
 from .dummy import initialize_dummy
 from .reader import Reader
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
+
+Tensors: TypeAlias = Mapping[str, TensorInfo]  # a plan's checkpoint tensors by name
 
 ALIGN = 64
 
@@ -71,29 +78,70 @@ def allocate(specs: list[ParamSpec]) -> dict[str, torch.Tensor]:
     return out
 
 
-def direct_bytes(plan: Plan, tensor: torch.Tensor, copy: Copy) -> memoryview | None:
+def direct_bytes(tensors: Tensors, tensor: torch.Tensor, copy: Copy) -> memoryview | None:
     """The bytes of ``copy``'s destination in ``tensor`` when the source can be read straight into
-    them (a contiguous slot of the source dtype, stored as read), else None."""
-    dst = tensor[_index(copy.dst)]
-    if copy.transpose or copy.repeat or copy.rotary or copy.transform or not dst.is_contiguous():
+    them (a plain copy into a contiguous slot of the source dtype), else None."""
+    if not copy.plain:
         return None
-    if to_torch(torch_name(plan.tensors[copy.tensor].dtype)) != tensor.dtype:
+    dst = tensor[_index(copy.dst)]
+    if not dst.is_contiguous() or to_torch(torch_name(tensors[copy.tensor].dtype)) != tensor.dtype:
         return None
     return _bytes(dst)
 
 
-def copy_into(plan: Plan, tensor: torch.Tensor, copy: Copy, reader: Reader) -> None:
-    """Fill one planned box of ``tensor``."""
-
-    info = plan.tensors[copy.tensor]
-    direct = direct_bytes(plan, tensor, copy)
+def copy_into(tensors: Tensors, tensor: torch.Tensor, copy: Copy, reader: Reader) -> None:
+    """Fill one planned box of ``tensor`` (``tensors``: the plan's checkpoint tensors by name)."""
+    info = tensors[copy.tensor]
+    direct = direct_bytes(tensors, tensor, copy)
     if direct is not None:
         reader.read_into(info, copy.src, direct)
+        return
+    dst = tensor[_index(copy.dst)]
+    if copy.dequantize is not None:
+        block = dequantized(tensors, copy, reader)
     else:
-        dst = tensor[_index(copy.dst)]
-        tmp = _staging(tuple(b - a for a, b in copy.src), to_torch(torch_name(info.dtype)))
-        reader.read_into(info, copy.src, _bytes(tmp))
-        dst.copy_(copy.arrange(tmp, tuple(dst.shape)))
+        block = _staging(copy.shape, to_torch(torch_name(info.dtype)))
+        if copy.view:
+            reader.read_view(info, copy.view, copy.src, _bytes(block))
+        else:
+            reader.read_into(info, copy.src, _bytes(block))
+    dst.copy_(copy.arrange(block, tuple(dst.shape)))
+
+
+def dequantized(tensors: Tensors, copy: Copy, reader: Reader) -> torch.Tensor:
+    """The float32 values of a quantized weight's box: the bounding box of ``copy.src`` in the
+    weight's own ``[out, in]`` and its scales' boxes read, dequantized, the box picked."""
+    import numpy as np
+    import torch
+
+    how = copy.dequantize
+    if how is None:
+        raise ValueError(f"{copy.tensor}: not a dequantizing copy")
+    info = tensors[copy.tensor]
+    outer, picks = view_to_dims(copy.view or tuple((n,) for n in info.shape), copy.src)
+    weight = _read_numpy(info, outer, reader)
+    scales = {}
+    for suffix, name in how.scales:
+        scale = tensors[name]
+        scales[suffix] = _read_numpy(scale, how.format.scale_box(suffix, outer, scale.shape), reader)
+    dense = how.format.apply(weight, scales, outer)
+    return torch.from_numpy(np.ascontiguousarray(dense[np.ix_(*picks)])).reshape(copy.shape)
+
+
+def _read_numpy(info: TensorInfo, box: Box, reader: Reader) -> np.ndarray:
+    import numpy as np
+
+    out = np.empty(tuple(b - a for a, b in box), dtype=to_numpy(torch_name(info.dtype)))
+    reader.read_into(info, box, out.reshape(-1).view(np.uint8).data)
+    return out
+
+
+def fill(tensors: Tensors, tensor: torch.Tensor, destination: Destination, reader: Reader) -> None:
+    """Fill ``tensor`` (fresh memory) as a destination's box plan says: its zero boxes, then its copies."""
+    for box in destination.zeros:
+        tensor[_index(box)].zero_()
+    for copy in destination.copies:
+        copy_into(tensors, tensor, copy, reader)
 
 
 _STAGING_BYTES = 32 << 20  # a thread keeps its staging buffer up to this size
@@ -177,7 +225,7 @@ def load_param(plan: Plan, param: ParamPlan, reader: Reader, dtype: str | None =
     tensor = torch.empty(param.spec.local_shape, dtype=to_torch(dtype or param.spec.dtype))
     prepare(param, tensor)
     for copy in param.copies:
-        copy_into(plan, tensor, copy, reader)
+        copy_into(plan.tensors, tensor, copy, reader)
     verify_shared(plan, param, tensor, reader)
     if is_scale(param):
         check_scale(plan, param, tensor)

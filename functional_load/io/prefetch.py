@@ -24,7 +24,7 @@ def planned_ranges(plan: Plan) -> dict[StoredPath, list[tuple[int, int]]]:
     spans: dict[StoredPath, list[tuple[int, int]]] = {}
     for param in plan.params:
         for copy in param.copies + param.checks:
-            for path, start, stop in file_spans(plan.tensors[copy.tensor], copy.src):
+            for path, start, stop in file_spans(plan.tensors[copy.tensor], copy.stored_src):
                 if is_local(path):
                     spans.setdefault(path, []).append((start, stop))
     merged: dict[StoredPath, list[tuple[int, int]]] = {}

@@ -92,7 +92,7 @@ Job = tuple[ParamPlan, Copy]
 def file_range(plan: Plan, copy: Copy) -> tuple[int, int] | None:
     """The absolute ``[start, stop)`` bytes of ``copy``'s source when it is one contiguous range
     of a file span read as it is stored; None otherwise."""
-    if copy.transpose or copy.repeat or copy.rotary or copy.transform:
+    if not copy.plain:
         return None
     info = plan.tensors[copy.tensor]
     location = info.location

@@ -12,6 +12,7 @@ see no tensor: they turn sizes into ranges, as :mod:`.segments` does for vLLM's 
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -49,17 +50,29 @@ def split_range(start: int, stop: int, sizes: tuple[int, ...]) -> list[tuple[Ran
 
 
 @dataclass(frozen=True, slots=True)
-class AxisRead:
-    """One axis of a block: read source elements ``src`` (absolute in the source's axis), then
-    permute the rotary halves/pairs (``rotary``: the whole taken axis was read), repeat each
-    element ``repeat`` times, keep ``length`` elements from ``skip``, and append ``zeros``."""
+class Step:
+    """What happens along one axis of a block read: permute the rotary halves/pairs of the whole
+    axis (``rotary``), repeat each element ``repeat`` times, keep ``length`` elements from
+    ``skip``, append ``zeros``."""
 
-    src: Range
     rotary: str | None
     repeat: int
     skip: int
     length: int
     zeros: int
+
+    def identity(self, extent: int) -> bool:
+        """Whether the step leaves an axis of ``extent`` elements as it is."""
+        return self.rotary is None and self.repeat == 1 and self.skip == 0 and self.length == extent and not self.zeros
+
+
+@dataclass(frozen=True, slots=True)
+class AxisRead:
+    """One axis of a block: read source elements ``src`` (absolute in the source's axis), then
+    apply ``step`` (a rotary permutation reads the whole taken axis)."""
+
+    src: Range
+    step: Step
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +139,7 @@ class Axis:
             src, skip = (0, self.taken), a
         else:
             src, skip = (a // r, -(-stop // r)), a - (a // r) * r
-        return AxisRead((src[0] + self.offset, src[1] + self.offset), self.rotary, r, skip, stop - a, b - stop)
+        return AxisRead((src[0] + self.offset, src[1] + self.offset), Step(self.rotary, r, skip, stop - a, b - stop))
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +154,11 @@ class Arrangement:
     target: tuple[tuple[int, ...], ...]
     stacked: int = 0
 
+    def __post_init__(self) -> None:
+        rotary = [a.name for a in self.axes[: self.stacked] if a.rotary is not None]
+        if rotary:
+            raise ConfigError(f"axis {rotary[0]!r} enumerates source tensors; rotary permutes elements of a tensor's axis, not tensors")
+
     @property
     def shape(self) -> tuple[int, ...]:
         """The target leaf's shape."""
@@ -154,11 +172,13 @@ class Arrangement:
     def boxes(self, index: tuple[Range, ...]) -> list[tuple[tuple[Range, ...], tuple[AxisRead | None, ...]]]:
         """The pieces of the target box ``index``: for each, its place (a box of the leaf,
         relative to ``index``'s start) and how each axis (in source order) is read, or None for
-        every axis when the piece is all padding."""
+        every axis when the piece is all padding. A piece takes one element of every stacked
+        axis: it reads one source tensor."""
         per_dim = []
         for (a, b), group in zip(index, self.target):
             sizes = tuple(self.axes[i].out for i in group)
-            per_dim.append([(a, box) for box in split_range(a, b, sizes)])
+            stacked = [j for j, i in enumerate(group) if i < self.stacked]
+            per_dim.append([(a, one) for box in split_range(a, b, sizes) for one in _single(box, stacked)])
         out = []
         for combo in _product(per_dim):
             place, wanted = [], {}
@@ -169,11 +189,22 @@ class Arrangement:
                 place.append((first - base, first - base + volume))
                 wanted.update({i: rng for i, rng in zip(group, box)})
             reads = tuple(
-                (Axis.read(axis, wanted[i]) if i in wanted else AxisRead((axis.offset, axis.offset + 1), None, 1, 0, 1, 0))
+                (Axis.read(axis, wanted[i]) if i in wanted else AxisRead((axis.offset, axis.offset + 1), Step(None, 1, 0, 1, 0)))
                 for i, axis in enumerate(self.axes)
             )
             out.append((tuple(place), reads if all(r is not None for r in reads) else tuple(None for _ in reads)))
         return out
+
+
+def _single(box: tuple[Range, ...], stacked: list[int]) -> list[tuple[Range, ...]]:
+    """``box`` (one contiguous run of its merged dimension) cut so that every position in
+    ``stacked`` holds one element; every position before the last such one is cut into single
+    elements too, so each cut is still one contiguous run."""
+    last = max((j for j in stacked if box[j][1] - box[j][0] > 1), default=None)
+    if last is None:
+        return [box]
+    heads = itertools.product(*(range(lo, hi) for lo, hi in box[: last + 1]))
+    return [tuple((i, i + 1) for i in head) + box[last + 1 :] for head in heads]
 
 
 def _product(lists: list[list[tuple[int, tuple[Range, ...]]]]) -> list[tuple[tuple[int, tuple[Range, ...]], ...]]:

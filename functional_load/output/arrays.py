@@ -11,17 +11,18 @@ near the output plus the window, never a whole rank staged twice.
 from __future__ import annotations
 
 import collections
+import math
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+import numpy.typing as npt
 
 from ..dtypes import to_numpy
 from ..layout.axes import Range
 from ..plan.target import Leaf
-from ..transform.arrange import block_bytes
 
 if TYPE_CHECKING:
     import jax
@@ -90,6 +91,11 @@ def build_arrays(
             del singles, futures
             submit()
     return out
+
+
+def block_bytes(index: tuple[Range, ...], dtype: npt.DTypeLike) -> int:
+    """Bytes of a block of ``index`` (one range per dimension) of ``dtype``."""
+    return math.prod(b - a for a, b in index) * np.dtype(dtype).itemsize
 
 
 def file_order(first_bytes: Sequence[tuple[str, int]]) -> list[int]:

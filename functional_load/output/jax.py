@@ -61,7 +61,7 @@ def local_tp_ranks(mesh: Mesh, tp_axis: str | Sequence[str]) -> list[int]:
     return sorted({tp_rank(mesh, axes, d) for d in mesh.local_devices})
 
 
-def _numpy(tensor: torch.Tensor) -> np.ndarray:
+def as_numpy(tensor: torch.Tensor) -> np.ndarray:
     """A CPU torch tensor's memory as a numpy array of the same dtype (bfloat16, float8 included)."""
     import torch
 
@@ -128,7 +128,7 @@ def vllm_arrays(
         plan = plan_of(rank)
         param = plan.param(name)
         if not param.spec.derived and not is_online_weight(plan, param):
-            return _numpy(load_param(plan, param, reader))
+            return as_numpy(load_param(plan, param, reader))
         module = param.spec.module
         with lock:  # a weight and its scales come from one quantization; kept until both are used
             key = (rank, module)
@@ -139,7 +139,7 @@ def vllm_arrays(
             tensor = tensors.pop(name)
             if not tensors:
                 del quantized[key]
-        return _numpy(tensor)
+        return as_numpy(tensor)
 
     def block(i: int, box: tuple[Range, ...]) -> np.ndarray:
         name, placement = forms[i]

@@ -192,14 +192,14 @@ def _write_rank_file(state: LoadedState, plan: Plan, path: Path, save_file: Save
 def _param_entry(plan: Plan, p: ParamPlan, file: str, originals: dict[str, dict[str, object]]) -> dict[str, object]:
     """A parameter's manifest entry: the boxes of the checkpoint tensors it holds (their shape and
     dtype recorded in ``originals``); ``ConfigError`` if it is not a plain slice of them."""
-    if any(c.repeat or c.rotary or c.transform or len(c.src) > len(c.dst) for c in p.copies):
+    if any(not (c.plain or c.transposed) or len(c.src) > len(c.dst) for c in p.copies):
         raise ConfigError(
             f"save_sharded: {p.spec.name} is not a plain slice of the checkpoint (refined FP8 MoE block "
             f"scales, MXFP4 blocks, Llama 4's permuted q/k rows, Mamba's A = -exp(A_log)); pre-sharded saves "
             f"of it are not supported yet. Load it from the original checkpoint instead"
         )
     sources = [
-        {"tensor": c.tensor, "src": _box(c.src), "dst": _box(c.dst), "transpose": c.transpose}
+        {"tensor": c.tensor, "src": _box(c.src), "dst": _box(c.dst), "transpose": c.transposed}
         for c in p.copies + p.checks
     ]
     for c in p.copies + p.checks:

@@ -20,7 +20,8 @@ from ..layout.expert_sharding import ExpertSplit
 from ..layout.segments import Box, box_volume, boxes_overlap, full_box, swap_last
 from ..layout.sharding import Part, Sharding, Slot
 from ..model.mapping import MappingTable, NameMapper, ShardId
-from .plan import Copy, ParamPlan, Plan, _slices
+from .copy import Copy, merge_expert_runs, slice_copy
+from .plan import ParamPlan, Plan, _slices
 
 Routed = tuple[str, tuple[ShardId, ...], int | None, bool]  # a Mapped's fields: parameter, shard ids, expert, interleaved
 
@@ -67,7 +68,7 @@ def _make_plan(layout: Layout, checkpoint: Checkpoint) -> Plan:
         params=tuple(
             ParamPlan(
                 s,
-                tuple(_merge_expert_runs(sorted(placed.copies[s.name], key=lambda c: c.dst))),
+                tuple(merge_expert_runs(sorted(placed.copies[s.name], key=lambda c: c.dst))),
                 tuple(placed.zeros[s.name]),
                 fills.get(s.name),
                 tuple(placed.checks[s.name]),
@@ -149,7 +150,8 @@ class _Placement:
         transpose = (spec.transposed and not local) or part.transpose
         transform = None if local else spec.transform  # a rank-local file holds the parameters as they are
         for src, dst, _ in part.pairs:
-            copy = Copy(name, swap_last(src) if transpose else src, dst, transpose, part.repeat, part.rotary, transform)
+            copy = slice_copy(name, info.shape, swap_last(src) if transpose else src, dst, transpose=transpose, repeat=part.repeat,
+                              rotary=part.rotary, transform=transform)
             if part.check and (spec.name, dst) in self.shared:  # a part stored identically by several tensors
                 self.checks[spec.name].append(copy)
             else:
@@ -319,30 +321,6 @@ def _completeness(
             f"checkpoint again if a file was cut or edited, or give the spec of its real architecture (spec=)"
         )
     return fills
-
-
-def _merge_expert_runs(copies: list[Copy]) -> list[Copy]:
-    """Join copies of consecutive experts from a 3-D tensor into one box (fewer, longer reads)."""
-    merged: list[Copy] = []
-    for c in copies:
-        last = merged[-1] if merged else None
-        if (
-            last is not None
-            and last.tensor == c.tensor
-            and last.repeat == c.repeat
-            and last.transform == c.transform
-            and len(c.src) == len(c.dst) >= 3
-            and last.src[1:] == c.src[1:]
-            and last.dst[1:] == c.dst[1:]
-            and last.src[0][1] == c.src[0][0]
-            and last.dst[0][1] == c.dst[0][0]
-        ):
-            src = ((last.src[0][0], c.src[0][1]),) + c.src[1:]
-            dst = ((last.dst[0][0], c.dst[0][1]),) + c.dst[1:]
-            merged[-1] = Copy(c.tensor, src, dst, c.transpose, c.repeat, c.rotary, c.transform)
-        else:
-            merged.append(c)
-    return merged
 
 
 def _coverage_problem(spec: ParamSpec, copies: list[Copy], zeros: list[Box]) -> str | None:

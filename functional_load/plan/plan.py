@@ -10,54 +10,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..checkpoint import TensorInfo
 from ..dtypes import itemsize, torch_itemsize
 from ..layout.build import ParamSpec
 from ..layout.parallel import Parallel
-from ..layout.param import Transform
 from ..layout.quantized import Scheme
 from ..layout.segments import Box, box_volume, full_box
 from ..storage import StoredPath
-from .rotary import to_halves
+from .copy import Copy
 
-if TYPE_CHECKING:
-    import torch
-
-
-@dataclass(frozen=True, slots=True)
-class Copy:
-    """Read box ``src`` of checkpoint tensor ``tensor`` (in its stored orientation) into box
-    ``dst`` of the rank-local parameter, swapping the block's last two dimensions when
-    ``transpose``, and repeating each element ``repeat[d]`` times along source dimension ``d``
-    (the destination takes the first of them); ``transform`` computes the values from the stored
-    ones. ``rotary``: the source rows are heads of this many
-    rows with their rotary pairs interleaved; the destination holds each head's halves (vLLM's
-    Llama 4 loader permutes q and k so)."""
-
-    tensor: str
-    src: Box
-    dst: Box
-    transpose: bool = False
-    repeat: tuple[int, ...] = ()
-    rotary: int = 0
-    transform: Transform | None = None  # "neg_exp": the values are -exp(stored), in float32 (Mamba's A from A_log)
-
-    def arrange(self, block: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-        """``block`` (a torch tensor read as ``src``) in the destination's orientation and ``shape``."""
-        if self.transform == "neg_exp":
-            block = -block.float().exp()  # as vLLM's loader: -torch.exp(loaded.float())
-        if self.rotary:
-            block = to_halves(block, self.rotary)
-        if self.transpose:
-            block = block.transpose(-1, -2)
-        for dim, factor in enumerate(self.repeat):
-            if factor > 1:
-                block = block.repeat_interleave(factor, dim=dim)
-        if self.repeat:
-            block = block[tuple(slice(0, n) for n in shape[len(shape) - block.dim():])]
-        return block.reshape(shape)
+__all__ = ["Copy", "Dummy", "ParamPlan", "Plan"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,13 +124,10 @@ class Plan:
                     "copies": [
                         {
                             "tensor": c.tensor,
-                            "file": self.tensors[c.tensor].where(c.src),
-                            "src": box(c.src),
+                            "file": self.tensors[c.tensor].where(c.stored_src),
+                            "src": box(c.stored_src),
                             "dst": box(c.dst),
-                            "transpose": c.transpose,
-                            "repeat": list(c.repeat),
-                            "rotary": c.rotary,
-                            "transform": c.transform,
+                            "ops": c.describe(),
                             "bytes": self.copy_bytes(c),
                         }
                         for c in p.copies
@@ -192,8 +153,8 @@ class Plan:
                     (
                         p.spec.name if i == 0 else "",
                         _shape(p.spec.local_shape) if i == 0 else "",
-                        f"{c.tensor} ({self.tensors[c.tensor].where(c.src)})",
-                        f"{_slices(c.src)}{'ᵀ' if c.transpose else ''}{_times(c.repeat)} -> {_slices(c.dst)}",
+                        f"{c.tensor} ({self.tensors[c.tensor].where(c.stored_src)})",
+                        f"{_slices(c.stored_src)}{_ops(c)} -> {_slices(c.dst)}",
                         f"{self.copy_bytes(c):,}",
                     )
                 )
@@ -216,8 +177,10 @@ class Plan:
         return "\n".join(lines)
 
 
-def _times(repeat: tuple[int, ...]) -> str:
-    return f" x{list(repeat)}" if repeat else ""
+def _ops(copy: Copy) -> str:
+    if copy.transposed:
+        return "ᵀ"
+    return f" ({'; '.join(copy.describe())})" if not copy.plain else ""
 
 
 def _shape(shape: tuple[int, ...]) -> str:

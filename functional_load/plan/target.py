@@ -4,7 +4,7 @@ Pure: names, shapes and dtypes only, no tensor byte. Every problem (a leaf with 
 a missing source, shapes that disagree after the rearrangement, a sharding that does not divide,
 a dtype that cannot be cast, a checkpoint tensor no leaf takes) is collected into one
 :class:`PlanError`. A :class:`LeafPlan` then says, for any box of its leaf (a device's shard),
-which boxes of which checkpoint tensors to read (:meth:`LeafPlan.pieces`).
+its box plan: the copies of checkpoint boxes that fill it (:meth:`LeafPlan.box_plan`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from ..checkpoint import Checkpoint, TensorInfo
 from ..dtypes import torch_name
 from ..errors import ConfigError, PlanError
-from ..layout.axes import Arrangement, Axis, AxisRead, Range, read_axes
+from ..layout.axes import Arrangement, Axis, Range, read_axes
 from ..layout.quantized import BoxDequantizer, Quantization
 from ..model.expressions import Expr, Scope, evaluate
 from ..model.mapping import ROTARY_CACHES
@@ -28,11 +28,11 @@ from ..model.pattern import Groups, solve_sizes
 from ..model.targetmap import Rule, Take, TargetMap, placeholders
 from ..quant import parse_quant_config
 from ..storage import StoredPath
+from .copy import BoxPlan, Copy, Dequantize
 
 if TYPE_CHECKING:
     from jax.sharding import Sharding
 
-Piece = tuple[tuple[Range, ...], tuple[AxisRead | None, ...]]
 _FLOAT = ("float16", "bfloat16", "float32", "float64")
 
 
@@ -58,28 +58,29 @@ class LeafPlan:
     dequantizer: BoxDequantizer | None = None  # dequantize=True: the sources' format, box by box
     scales: Mapping[tuple[tuple[int, ...], str], TensorInfo] = field(default_factory=dict)  # (stacked index, suffix) -> scale
 
-    def pieces(self, index: tuple[Range, ...]) -> list[Piece]:
-        """The pieces of box ``index`` of the leaf and how each is read (see :meth:`Arrangement.boxes`)."""
-        return self.arrangement.boxes(index)
-
-    def reads(self, index: tuple[Range, ...]) -> list[tuple[TensorInfo, tuple[Range, ...]]]:
-        """The boxes of source tensors (over their axes, :attr:`Arrangement.source_view`) box
-        ``index`` needs."""
-        out = []
-        k = self.arrangement.stacked
-        for _, piece in self.pieces(index):
-            axes = read_axes(piece)
+    def box_plan(self, index: tuple[Range, ...]) -> BoxPlan:
+        """The copies (one per source tensor and piece, :meth:`Arrangement.boxes`) and zero boxes
+        that fill box ``index`` of the leaf (a device's shard), relative to its start."""
+        arrangement, k = self.arrangement, self.arrangement.stacked
+        view = tuple(tuple(arrangement.axes[a].size for a in g) for g in arrangement.source)  # source dims as axes
+        view = view if any(len(g) > 1 for g in view) else ()
+        order = [i for group in arrangement.target for i in group]
+        full = order + [i for i in range(len(arrangement.axes)) if i not in order]
+        perm = tuple(i - k for i in full if i >= k)  # a piece holds one element of each stacked axis
+        copies, zeros = [], []
+        for place, reads in arrangement.boxes(index):
+            axes = read_axes(reads)
             if axes is None:
+                zeros.append(place)
                 continue
-            ranges = [range(*a.src) for a in axes[:k]]
-            box = tuple(a.src for a in axes[k:])
-            out += [(self.sources[which], box) for which in itertools.product(*ranges)]
-        return out
-
-    @property
-    def view(self) -> tuple[tuple[int, ...], ...]:
-        """Each source dimension's axis sizes (how a source box over the axes maps to the tensor)."""
-        return tuple(tuple(self.arrangement.axes[a].size for a in group) for group in self.arrangement.source)
+            which = tuple(a.src[0] for a in axes[:k])
+            steps = tuple(None if a.step.identity(a.src[1] - a.src[0]) else a.step for a in axes[k:])
+            fmt = self.dequantizer
+            how = None if fmt is None else Dequantize(fmt, tuple((n, self.scales[(which, n)].name) for n in fmt.scale_names))
+            identity = perm == tuple(range(len(perm)))
+            copies.append(Copy(self.sources[which].name, tuple(a.src for a in axes[k:]), place, view, steps if any(steps) else (),
+                               () if identity else perm, None, self.scale, how))
+        return BoxPlan(tuple(copies), tuple(zeros))
 
 
 @dataclass(frozen=True, slots=True)
