@@ -12,7 +12,7 @@ import os
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .checkpoint import Checkpoint, paused_gc
 from .checkpoint.discover import checkpoint_format, discover
@@ -29,6 +29,7 @@ from .model.spec import spec_for_config
 from .options import LoadOptions, resolve_options
 from .output.save import write_sharded
 from .output.state import LoadedState, check_device, to_device
+from .paths import JsonObject
 from .plan import Plan, make_plan
 from .plan.dummy import dummy_plan
 from .quant import online_quant_config, parse_quant_config
@@ -57,7 +58,7 @@ def resolve_model_dir(
 
 
 def _layout(
-    config: Mapping[str, Any], parallel: Parallel, dtype: str, options: LoadOptions, stored: bool = False,
+    config: JsonObject, parallel: Parallel, dtype: str, options: LoadOptions, stored: bool = False,
     quantization: str | None = None, checkpoint: Checkpoint | None = None,
 ) -> Layout:
     """The layout of one rank: the spec from the options or the config, and the checkpoint's
@@ -72,7 +73,7 @@ def _layout(
 
 
 def layout(
-    model: Model | Mapping[str, Any], *, tp_size: int = 1, rank: int = 0, options: LoadOptions = LoadOptions(), **overrides: object
+    model: Model | JsonObject, *, tp_size: int = 1, rank: int = 0, options: LoadOptions = LoadOptions(), **overrides: object
 ) -> Layout:
     """Every parameter of one rank (names, shapes, dtypes, slice descriptors) from a config
     alone: ``model`` is a model directory, its ``config.json``, or a parsed config (e.g. a real
@@ -97,7 +98,7 @@ def layout(
     return _layout(config, parallel, model_dtype(opts.dtype, config, weights, where), opts)
 
 
-def weight_dtypes(directory: StoredPath, config: Mapping[str, Any]) -> tuple[str, ...]:
+def weight_dtypes(directory: StoredPath, config: JsonObject) -> tuple[str, ...]:
     """The weights' dtypes, from the headers, when the config names no dtype (the dtype rule
     falls back to them, as ``plan`` does)."""
     if declared_dtype(config) is not None:
@@ -116,13 +117,13 @@ def _weight_codes(checkpoint: Checkpoint) -> Iterator[str]:
     yield from checkpoint.dtypes().values()
 
 
-def _checkpoint(directory: StoredPath, manifest: Mapping[str, Any] | None, rank: int, load_format: str, allow_pickle: bool) -> Checkpoint:
+def _checkpoint(directory: StoredPath, manifest: JsonObject | None, rank: int, load_format: str, allow_pickle: bool) -> Checkpoint:
     if manifest is not None:  # a pre-sharded save: its virtual original checkpoint
         return sharded_checkpoint(directory, manifest, rank)
     return index_checkpoint(discover(directory, load_format), allow_pickle=allow_pickle)
 
 
-def _dummy_plan(model: Model | Mapping[str, Any], parallel: Parallel, opts: LoadOptions) -> Plan:
+def _dummy_plan(model: Model | JsonObject, parallel: Parallel, opts: LoadOptions) -> Plan:
     """A dummy load's plan, from the config alone (a model directory's, or a parsed one)."""
     if isinstance(model, Mapping):
         config, where, model_dir = dict(model), "config", ""
@@ -133,7 +134,7 @@ def _dummy_plan(model: Model | Mapping[str, Any], parallel: Parallel, opts: Load
 
 
 def plan(
-    model: Model | Mapping[str, Any], *, tp_size: int = 1, rank: int = 0, options: LoadOptions = LoadOptions(), **overrides: object
+    model: Model | JsonObject, *, tp_size: int = 1, rank: int = 0, options: LoadOptions = LoadOptions(), **overrides: object
 ) -> Plan:
     """The validated load plan of one rank, from ``config.json`` and the weight-file headers only
     (no tensor data is read). ``options`` is a :class:`LoadOptions` (its fields may be given as
@@ -162,7 +163,7 @@ def plan(
         return _plan(model, tp_size, rank, resolve_options(options, overrides))
 
 
-def _plan(model: Model | Mapping[str, Any], tp_size: int, rank: int, opts: LoadOptions) -> Plan:
+def _plan(model: Model | JsonObject, tp_size: int, rank: int, opts: LoadOptions) -> Plan:
     parallel = opts.parallel(tp_size, rank)
     if opts.dummy:
         model = model if isinstance(model, Mapping) else resolve_model_dir(model, opts.revision, opts.load_format)
@@ -203,7 +204,7 @@ def _plan(model: Model | Mapping[str, Any], tp_size: int, rank: int, opts: LoadO
 
 
 def load(
-    model: Model | Mapping[str, Any],
+    model: Model | JsonObject,
     *,
     tp_size: int = 1,
     rank: int = 0,

@@ -32,6 +32,7 @@ from .model.targetmap import Drop, Rule, TargetMap, as_target_map
 from .options import LoadOptions, resolve_options
 from .output.arrays import Progress, block_bytes, build_arrays, device_boxes, file_order
 from .output.jax import as_numpy, local_tp_ranks, tp_axes_of, vllm_arrays
+from .paths import JsonObject
 from .plan import Plan
 from .plan.target import Leaf, LeafPlan, TargetPlan, plan_target
 from .quant import parse_quant_config
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
 
 
 def load_jax(
-    model: Model | Mapping[str, Any],
+    model: Model | JsonObject,
     mesh: Mesh | None = None,
     *,
     target: object = None,
@@ -85,7 +86,7 @@ def load_jax(
 
 
 def _vllm_layout(
-    model: Model | Mapping[str, Any], mesh: Mesh, tp_axis: str | Sequence[str], reader: Reader | None, opts: LoadOptions
+    model: Model | JsonObject, mesh: Mesh, tp_axis: str | Sequence[str], reader: Reader | None, opts: LoadOptions
 ) -> dict[str, jax.Array]:
     axes = tp_axes_of(mesh, tp_axis)
     tp_size = 1
@@ -189,7 +190,7 @@ def _not_for_targets(opts: LoadOptions) -> None:
         raise ConfigError("load_format='dummy' is not supported with a target tree; use load_jax(model, mesh) for vLLM's dummy layout")
 
 
-def spec_drops(config: Mapping[str, Any], opts: LoadOptions) -> tuple[Drop, ...]:
+def spec_drops(config: JsonObject, opts: LoadOptions) -> tuple[Drop, ...]:
     """Checkpoint tensors the architecture spec says are no parameter (multi-token-prediction
     layers..., a tied ``lm_head``), and with ``text_only`` the vision tower: a target need not take them."""
     import re

@@ -6,11 +6,16 @@ Shared by every stage that opens a file (config, index, manifest, weight files).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeAlias
 
 from .errors import FormatError, LoadError, SecurityError
+
+# Parsed JSON (config.json, indexes, manifests, plans): objects whose values are whatever JSON
+# holds. Code that reads a value checks its type where it matters; the aliases name the intent.
+JsonObject: TypeAlias = "Mapping[str, Any]"
+JsonDict: TypeAlias = "dict[str, Any]"
 
 
 def strict_json_loads(text: str | bytes, what: str, parse_int: Callable[[str], object] | None = None) -> Any:

@@ -16,10 +16,10 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import chain
 from operator import itemgetter
-from typing import Any
 
 import numpy as np
 
+from ..paths import JsonObject
 from ..storage import Stamp, StoredPath
 from . import IndexedTensors, TensorInfo
 
@@ -32,13 +32,13 @@ class Header:
     """One file's parsed header: its entries (``name -> {dtype, shape, data_offsets}``) in data order."""
 
     path: StoredPath
-    entries: Mapping[str, Any]
+    entries: JsonObject
     data_start: int
     file_size: int
     stamp: Stamp
 
 
-def tiles(entries: Mapping[str, Any], data_size: int) -> list[str] | None:
+def tiles(entries: JsonObject, data_size: int) -> list[str] | None:
     """The names in data order when the entries' ``data_offsets`` tile ``[0, data_size)`` exactly
     (no overlap, no hole, nothing past the end) and the names are printable and bounded; None
     when anything is unusual (the strict reader then decides, and names the problem)."""

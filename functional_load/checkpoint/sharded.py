@@ -14,12 +14,11 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from ..dtypes import SAFETENSORS_DTYPES, TORCH_TO_SAFETENSORS
 from ..errors import ConfigError, FormatError, IntegrityError
 from ..layout.parallel import Parallel
-from ..paths import strict_json_loads
+from ..paths import JsonDict, JsonObject, strict_json_loads
 from ..storage import StoredPath, as_path, read_all, storage_for
 from . import Checkpoint, RankFiles, SavedBoxes, SavedPiece, TensorInfo
 from .index import read_header
@@ -29,7 +28,7 @@ FORMAT = "functional_load.sharded"
 VERSION = 1
 
 
-def read_manifest(directory: str | os.PathLike[str] | StoredPath) -> dict[str, Any] | None:
+def read_manifest(directory: str | os.PathLike[str] | StoredPath) -> JsonDict | None:
     """The manifest of a pre-sharded directory, or ``None`` when it is not one."""
     directory = as_path(directory)
     path = directory / MANIFEST
@@ -73,7 +72,7 @@ def _is_box(value: object) -> bool:
     )
 
 
-def _check_schema(path: StoredPath, manifest: Mapping[str, Any]) -> None:
+def _check_schema(path: StoredPath, manifest: JsonObject) -> None:
     """Every field the loader reads has the type it expects; a FormatError names the first that
     does not (instead of a KeyError deep inside the reshard)."""
 
@@ -108,7 +107,7 @@ def _check_schema(path: StoredPath, manifest: Mapping[str, Any]) -> None:
                 need(ok, f"ranks[{rank!r}].params[{param!r}].sources", source)
 
 
-def verify_sizes(directory: StoredPath, manifest: Mapping[str, Any], names: Sequence[str]) -> None:
+def verify_sizes(directory: StoredPath, manifest: JsonObject, names: Sequence[str]) -> None:
     """Every rank file named exists, in the directory, with the size the manifest records."""
     for name in names:
         entry = manifest["files"][name]
@@ -122,7 +121,7 @@ def verify_sizes(directory: StoredPath, manifest: Mapping[str, Any], names: Sequ
             raise IntegrityError(f"{path}: {size} bytes, the manifest says {entry['size']}")
 
 
-def _check_config(directory: StoredPath, manifest: Mapping[str, Any]) -> None:
+def _check_config(directory: StoredPath, manifest: JsonObject) -> None:
     source = manifest.get("source")
     recorded = source.get("config_sha256") if isinstance(source, dict) else None
     config = directory / "config.json"
@@ -135,7 +134,7 @@ def _check_config(directory: StoredPath, manifest: Mapping[str, Any]) -> None:
         )
 
 
-def sharded_checkpoint(directory: str | os.PathLike[str] | StoredPath, manifest: Mapping[str, Any], rank: int) -> Checkpoint:
+def sharded_checkpoint(directory: str | os.PathLike[str] | StoredPath, manifest: JsonObject, rank: int) -> Checkpoint:
     """The virtual original checkpoint of a pre-sharded directory, as rank ``rank`` reads it.
 
     Every rank file holds boxes of original tensors; a box kept by several ranks (replicated
@@ -184,7 +183,7 @@ def sharded_checkpoint(directory: str | os.PathLike[str] | StoredPath, manifest:
 
 
 def saved_rank(
-    directory: str | os.PathLike[str] | StoredPath, manifest: Mapping[str, Any], parallel: Parallel, params: Mapping[str, tuple[int, ...]]
+    directory: str | os.PathLike[str] | StoredPath, manifest: JsonObject, parallel: Parallel, params: Mapping[str, tuple[int, ...]]
 ) -> Checkpoint | None:
     """The rank's own file as a rank-local checkpoint, when this load is the saved one: the same
     tp size and expert placement, and the file holds exactly ``params`` (the layout's rank-local

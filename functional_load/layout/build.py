@@ -10,12 +10,12 @@ import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Any
 
 from ..errors import ConfigError, ShardingError
 from ..model.expressions import Scope, Value, evaluate
 from ..model.mapping import ROTARY_CACHES, MappingTable
 from ..model.spec import ArchSpec, ModuleSpec, Stage
+from ..paths import JsonObject
 from ..vllm_target import VLLM_VERSION
 from .modules import module_params
 from .parallel import Parallel
@@ -105,7 +105,7 @@ def _instance_name(module: ModuleSpec, layer: int | None, scope: Scope) -> str:
 
 
 def model_tp_sizes(
-    config: Mapping[str, Any], spec: ArchSpec, parallel: Parallel, dtype: str, quant: Quantization | None, up_to: int = 64,
+    config: JsonObject, spec: ArchSpec, parallel: Parallel, dtype: str, quant: Quantization | None, up_to: int = 64,
     text_only: bool = False,
 ) -> list[int]:
     """Every tp size that divides every module of the model (for error messages)."""
@@ -144,7 +144,7 @@ def _served_placement(spec: ArchSpec, scope: Scope, parallel: Parallel, warn: bo
 
 
 def build_layout(
-    config: Mapping[str, Any], spec: ArchSpec, parallel: Parallel, dtype: str, quant: Quantization | None = None,
+    config: JsonObject, spec: ArchSpec, parallel: Parallel, dtype: str, quant: Quantization | None = None,
     *, report: bool = True, text_only: bool = False,
 ) -> Layout:
     """Every parameter of ``parallel.rank``; ``quant`` (a parsed quantization config, see

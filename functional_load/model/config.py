@@ -8,7 +8,7 @@ from typing import Any
 
 from ..dtypes import DtypeChoice, canonical_dtype, torch_name
 from ..errors import CheckpointError, ConfigError, MissingFileError
-from ..paths import strict_json_loads
+from ..paths import JsonDict, JsonObject, strict_json_loads
 from ..storage import StoredPath, as_path, read_all, storage_for
 from .mistral import PARAMS, mistral_config
 
@@ -33,7 +33,7 @@ def model_directory(model: str | os.PathLike[str] | StoredPath) -> StoredPath:
     raise MissingFileError(f"{path}: model directory not found (it must be a directory holding config.json)")
 
 
-def read_config(model: str | os.PathLike[str] | StoredPath, fmt: str = "hf") -> dict[str, Any]:
+def read_config(model: str | os.PathLike[str] | StoredPath, fmt: str = "hf") -> JsonDict:
     """The model's config as a dict: its ``config.json`` (strict JSON: no duplicate keys, no NaN),
     or for Mistral's own format (``fmt="mistral"``, as :func:`functional_load.checkpoint.discover.checkpoint_format`
     decides) its ``params.json`` adapted as vLLM adapts it (with ``config.json``'s keys as
@@ -53,7 +53,7 @@ def read_config(model: str | os.PathLike[str] | StoredPath, fmt: str = "hf") -> 
     return _read_json(path, directory)
 
 
-def _read_json(path: StoredPath, directory: StoredPath) -> dict[str, Any]:
+def _read_json(path: StoredPath, directory: StoredPath) -> JsonDict:
     storage_for(path).contained(path, directory, "Config file")
     try:
         config = strict_json_loads(read_all(path, "a config", MAX_CONFIG_BYTES), str(path))
@@ -67,7 +67,7 @@ def _read_json(path: StoredPath, directory: StoredPath) -> dict[str, Any]:
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
 
 
-def declared_dtype(config: Mapping[str, Any]) -> Any:
+def declared_dtype(config: JsonObject) -> Any:
     """The dtype ``config.json`` names (``dtype``/``torch_dtype``, or its ``text_config``'s), or None."""
     declared = config.get("dtype") or config.get("torch_dtype")
     text = config.get("text_config")
@@ -76,7 +76,7 @@ def declared_dtype(config: Mapping[str, Any]) -> Any:
     return declared
 
 
-def model_dtype(requested: DtypeChoice, config: Mapping[str, Any], weight_dtypes: Iterable[str] = (), where: str = "config.json") -> str:
+def model_dtype(requested: DtypeChoice, config: JsonObject, weight_dtypes: Iterable[str] = (), where: str = "config.json") -> str:
     """The destination dtype of a model, as vLLM's ``dtype="auto"`` decides it (the one rule
     used by ``layout``, ``plan``, ``load`` and ``load_jax``).
 

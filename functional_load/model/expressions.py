@@ -20,6 +20,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any, TypeAlias, TypeGuard
 
 from ..errors import ConfigError
+from ..paths import JsonObject
 
 Expr = str | int | float | bool  # a spec expression: a string to evaluate, or a literal that is its own value
 # What an expression evaluates to: a number, string, bool, None (a missing key), a literal list (a tuple), or a
@@ -189,7 +190,7 @@ class Scope(Mapping[str, Value]):
     """Name lookup for spec expressions: ``layer``, then dims (evaluated lazily), then config keys."""
 
     def __init__(
-        self, config: Mapping[str, Any], dims: Mapping[str, str], layer: int | None = None, extra: Mapping[str, Value] | None = None
+        self, config: JsonObject, dims: Mapping[str, str], layer: int | None = None, extra: Mapping[str, Value] | None = None
     ):
         self._config, self._dims, self._layer = config, dims, layer
         self._extra = dict(extra or {})

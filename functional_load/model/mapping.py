@@ -22,6 +22,8 @@ from dataclasses import dataclass, replace
 from functools import cache
 from typing import Any, Literal, cast
 
+from ..paths import JsonDict
+
 # which part of a fused parameter a tensor fills: "q", "k", "v", 0, 1...; a tuple of consecutive
 # segments (0, 1, 2): one tensor holding them back to back (vLLM's tuple shard id, Qwen3.5's in_proj_qkv)
 ShardId = int | str | tuple[int, ...]
@@ -291,7 +293,7 @@ class NameMapper:
     def __init__(self, stages: Stages):
         self.stages = (stages,) if isinstance(stages, MappingTable) else tuple(stages)
         self.blind = all(_rule_blind(r) for table in self.stages for r in table.rules)
-        self._memo: dict[str, Any] = {}  # a template -> its _Learned mapping, or _UNSAFE
+        self._memo: JsonDict = {}  # a template -> its _Learned mapping, or _UNSAFE
 
     def __call__(self, name: str) -> Mapped | None:
         found = self.lookup(name)

@@ -4,10 +4,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from ..errors import ConfigError
+from ..paths import JsonDict, JsonObject
 
 PARAMS = "params.json"
 
@@ -24,7 +22,7 @@ _KEYS = {
 }
 
 
-def mistral_config(params: Mapping[str, Any], defaults: Mapping[str, Any] | None = None, where: str = PARAMS) -> dict[str, Any]:
+def mistral_config(params: JsonObject, defaults: JsonObject | None = None, where: str = PARAMS) -> JsonDict:
     """``params.json`` as the HF-style config vLLM builds from it (``adapt_config_dict``): keys
     renamed, FP8 ``quantization`` as an ``fp8`` quantization_config, ``moe`` as a Mixtral config;
     keys it lacks come from ``defaults`` (the directory's ``config.json``, when there is one)."""

@@ -9,6 +9,7 @@ Sizes are expressions over config keys (:mod:`.expressions`).
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import sys
@@ -17,9 +18,9 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
 
 from ..errors import ConfigError
+from ..paths import JsonDict, JsonObject
 from .mapping import RULE_KINDS, MappingTable, Rule, shard_id_tuple
 from .spec_fields import carried, check_module
 
@@ -42,7 +43,7 @@ class ModuleSpec:
 
     pattern: str
     kind: str
-    fields: Mapping[str, Any]  # kind-specific expressions: in, out, outs, heads, size, params...
+    fields: JsonObject  # kind-specific expressions: in, out, outs, heads, size, params...
 
     def __post_init__(self) -> None:
         if self.kind not in MODULE_KINDS:
@@ -121,7 +122,7 @@ class ArchSpec:
         object.__setattr__(self, "dims", MappingProxyType(dict(self.dims)))
 
 
-def _stage(stage: Mapping[str, Any], where: str) -> Stage:
+def _stage(stage: JsonObject, where: str) -> Stage:
     rules = []
     for kind, entries in stage.items():
         if kind in ("when", "replace", "layers"):
@@ -141,7 +142,7 @@ def _stage(stage: Mapping[str, Any], where: str) -> Stage:
     return Stage(MappingTable(tuple(rules)), stage.get("when", True), stage.get("layers"))
 
 
-def parse_spec(data: Mapping[str, Any], source: str = "<spec>") -> ArchSpec:
+def parse_spec(data: JsonObject, source: str = "<spec>") -> ArchSpec:
     """Build an :class:`ArchSpec` from parsed TOML, checking every field."""
     known = {"name", "architectures", "layers", "dims", "modules", "stages", "tie", "extends", "drop", "prefix", "refuse"}
     unknown = set(data) - known
@@ -174,7 +175,7 @@ def parse_spec(data: Mapping[str, Any], source: str = "<spec>") -> ArchSpec:
         raise ConfigError(f"{source}: malformed architecture spec: {exc!r}") from None
 
 
-def _read_toml(text: str, source: str) -> dict[str, Any]:
+def _read_toml(text: str, source: str) -> JsonDict:
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -187,20 +188,20 @@ SPEC_PATH_ENV = "FUNCTIONAL_LOAD_SPEC_PATH"  # directories of out-of-tree specs,
 _TOP_NAME = re.compile(r"""^name\s*=\s*["']([^"'\n]+)["']\s*(?:#.*)?$""", re.M)
 
 
-class _RawSpecs(Mapping[str, tuple[dict[str, Any], str]]):
+class _RawSpecs(Mapping[str, tuple[JsonDict, str]]):
     """Spec files by name (the top-level ``name = "..."`` before the first table, else the stem),
     in lookup order, each parsed when first asked for: a load parses its spec and ``extends``
     chain, not all 87 files (about 60 ms a process here)."""
 
     def __init__(self, files: list[tuple[str, str, str]]):  # (stem, text, source)
         self._files: dict[str, tuple[str, str]] = {}
-        self._parsed: dict[str, tuple[dict[str, Any], str]] = {}
+        self._parsed: dict[str, tuple[JsonDict, str]] = {}
         for stem, text, source in files:
             head = re.split(r"^\s*\[", text, maxsplit=1, flags=re.M)[0]
             found = _TOP_NAME.search(head)
             self._files.setdefault(found.group(1) if found else stem, (text, source))
 
-    def __getitem__(self, name: str) -> tuple[dict[str, Any], str]:
+    def __getitem__(self, name: str) -> tuple[JsonDict, str]:
         if name not in self._parsed:
             text, source = self._files[name]
             data = _read_toml(text, source)
@@ -247,8 +248,8 @@ def _all_raw() -> _RawSpecs:
 
 
 def _resolve(
-    data: dict[str, Any], source: str, raw: Mapping[str, tuple[dict[str, Any], str]], seen: tuple[str, ...] = ()
-) -> dict[str, Any]:
+    data: JsonDict, source: str, raw: Mapping[str, tuple[JsonDict, str]], seen: tuple[str, ...] = ()
+) -> JsonDict:
     """Apply ``extends``: start from the base spec; ``dims``, each module's fields and each mapping
     stage's rules (stage by stage, in order) are updated key by key (a module given another kind
     keeps the base's fields that kind takes; ``kind = "none"`` removes a module; a stage with
@@ -347,7 +348,7 @@ def find_spec(name_or_path: str | Path) -> ArchSpec:
     return specs[name_or_path]
 
 
-def spec_for_config(config: Mapping[str, Any], specs: Mapping[str, ArchSpec] | None = None) -> ArchSpec:
+def spec_for_config(config: JsonObject, specs: Mapping[str, ArchSpec] | None = None) -> ArchSpec:
     """The spec whose ``architectures`` lists the config's first architecture (or its model_type)."""
     wanted = config.get("architectures") or []
     model_type = config.get("model_type")
@@ -389,10 +390,8 @@ def _first_serving(architectures: list[str]) -> ArchSpec | None:
     return None
 
 
-def _closest(model_type: Any, architectures: list[str], specs: Mapping[str, ArchSpec]) -> str:
+def _closest(model_type: object, architectures: list[str], specs: Mapping[str, ArchSpec]) -> str:
     """``; the closest supported family is ...`` by name similarity, or nothing."""
-    import difflib
-
     names = {name: name for name in specs} | {a.lower(): s.name for s in specs.values() for a in s.architectures}
     keys = [k.lower().removesuffix("forcausallm") for k in ([model_type] if isinstance(model_type, str) else []) + architectures]
     best = [difflib.get_close_matches(k, list(names), n=1, cutoff=0.5) for k in keys]

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Mapping
-from typing import Any
+
+from ..paths import JsonDict, JsonObject
 
 COMMON = ("when", "layers", "prefix", "vision", "names", "transposed")  # any module (layout/build.py)
 _LINEAR = ("bias", "quantized", "disable_tp", "stored")
@@ -38,13 +39,13 @@ def _closest(name: str, valid: tuple[str, ...]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def _check(where: str, fields: Mapping[str, Any], required: tuple[str, ...], optional: tuple[str, ...]) -> list[str]:
+def _check(where: str, fields: JsonObject, required: tuple[str, ...], optional: tuple[str, ...]) -> list[str]:
     valid = required + optional
     problems = [f"{where}: unknown field {k!r}{_closest(k, valid)}; its fields are {list(valid)}" for k in fields if k not in valid]
     return problems + [f"{where}: missing the required field {k!r}" for k in required if k not in fields]
 
 
-def check_module(pattern: str, kind: str, fields: Mapping[str, Any]) -> list[str]:
+def check_module(pattern: str, kind: str, fields: JsonObject) -> list[str]:
     """The problems of one module table (empty when none); an unknown kind is checked elsewhere."""
     if kind not in KINDS:
         return []
@@ -61,7 +62,7 @@ def check_module(pattern: str, kind: str, fields: Mapping[str, Any]) -> list[str
     return problems
 
 
-def carried(base: Mapping[str, Any], kind: str | None) -> dict[str, Any]:
+def carried(base: JsonObject, kind: str | None) -> JsonDict:
     """The fields of a base spec's module that an ``extends`` keeps: all of them, unless the module
     is given another kind, whose fields only (a ``column`` made ``replicated`` drops ``in``/``out``)."""
     if kind is None or kind == base.get("kind") or kind not in KINDS:

@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
 
 from ..errors import ConfigError
+from ..paths import JsonObject
 from .pattern import Pattern, parse_pattern
 
 if sys.version_info >= (3, 11):
@@ -167,7 +167,7 @@ def as_target_map(mapping: TargetMap | Mapping[str, Rule] | str | Path) -> Targe
     raise ConfigError(f"mapping must be a TargetMap, a dict of leaf key -> Rule, a .toml path or a shipped map name, got {mapping!r:.80}")
 
 
-def parse_target_map(data: Mapping[str, Any], source: str) -> TargetMap:
+def parse_target_map(data: JsonObject, source: str) -> TargetMap:
     """A map from parsed TOML: ``name``, ``[dims]``, ``[[drop]]`` and ``[leaves."<key>"]`` tables of
     :class:`Rule` fields."""
     known = {"name", "description", "dims", "drop", "leaves"}

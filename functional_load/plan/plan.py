@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
 
 from ..checkpoint import TensorInfo
 from ..dtypes import itemsize, torch_itemsize
@@ -18,6 +17,7 @@ from ..layout.build import ParamSpec
 from ..layout.parallel import Parallel
 from ..layout.quantized import Scheme
 from ..layout.segments import Box, box_volume, full_box
+from ..paths import JsonDict
 from ..storage import StoredPath
 from .copy import Copy
 
@@ -100,7 +100,7 @@ class Plan:
     def output_bytes(self) -> int:
         return sum(box_volume(full_box(p.spec.local_shape)) * torch_itemsize(p.spec.dtype) for p in self.params)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonDict:
         """A JSON-serialisable description of the plan."""
 
         def box(b: Box) -> list[list[int]]:

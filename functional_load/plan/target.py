@@ -15,7 +15,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..checkpoint import Checkpoint, TensorInfo
 from ..dtypes import torch_name
@@ -26,6 +26,7 @@ from ..model.expressions import Expr, Scope, evaluate
 from ..model.mapping import ROTARY_CACHES
 from ..model.pattern import Groups, solve_sizes
 from ..model.targetmap import Rule, Take, TargetMap, placeholders
+from ..paths import JsonObject
 from ..quant import parse_quant_config
 from ..storage import StoredPath
 from .copy import BoxPlan, Copy, Dequantize
@@ -123,7 +124,7 @@ class _Sources:
 
 
 def plan_target(
-    leaves: Sequence[Leaf], target_map: TargetMap, checkpoint: Checkpoint, config: Mapping[str, Any],
+    leaves: Sequence[Leaf], target_map: TargetMap, checkpoint: Checkpoint, config: JsonObject,
 ) -> TargetPlan:
     """Match every leaf to exactly one rule, resolve and check its sources; raise one PlanError."""
     problems: list[str] = []

@@ -11,9 +11,9 @@ reader see only the schemes' interface and the data on each parameter.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
 
 from ..errors import ConfigError
+from ..paths import JsonObject
 from .awq import parse_awq
 from .compressed_tensors import parse_compressed_tensors
 from .config import QuantConfig
@@ -26,12 +26,12 @@ from .quark import parse_quark
 __all__ = ["QuantConfig", "online_quant_config", "parse_quant_config"]
 
 
-def _auto_round(qc: Mapping[str, Any]) -> QuantConfig:
+def _auto_round(qc: JsonObject) -> QuantConfig:
     packing = str(qc.get("packing_format", "auto_round:auto_gptq")).lower()
     return parse_awq(qc) if "awq" in packing else parse_gptq(qc, v2=False)
 
 
-PARSERS: dict[str, Callable[[Mapping[str, Any]], QuantConfig]] = {
+PARSERS: dict[str, Callable[[JsonObject], QuantConfig]] = {
     "fp8": parse_fp8,
     "compressed-tensors": parse_compressed_tensors,
     "gptq": parse_gptq,
@@ -44,7 +44,7 @@ PARSERS: dict[str, Callable[[Mapping[str, Any]], QuantConfig]] = {
 }
 
 
-def parse_quant_config(config: Mapping[str, Any]) -> QuantConfig | None:
+def parse_quant_config(config: JsonObject) -> QuantConfig | None:
     """``None`` for an unquantized model; a ConfigError for a format this loader cannot read or
     a malformed field (never a bare TypeError or ValueError)."""
     qc = config.get("quantization_config")

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
 from ..layout.parallel import Parallel
 from ..layout.param import ParamSpec
 from ..layout.quantized import Get, Linear, ParamDef, groups_of
+from ..paths import JsonObject
 from .base import BaseScheme
 from .codes import unpack_int32
 from .config import QuantConfig, ignore_list
@@ -61,7 +62,7 @@ class AwqScheme(BaseScheme):
         return ((q - zeros[g]).float() * scales[g]).T.contiguous()
 
 
-def parse_awq(qc: Mapping[str, Any]) -> QuantConfig:
+def parse_awq(qc: JsonObject) -> QuantConfig:
     bits, group = bits_and_group(qc)
     version = str(qc.get("version", qc.get("format", "gemm"))).lower()
     if version != "gemm":

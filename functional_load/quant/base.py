@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..errors import ConfigError, LoadError
 from ..layout.experts import from_linears
 from ..layout.parallel import Parallel
 from ..layout.param import ParamSpec
 from ..layout.quantized import BoxDequantizer, Experts, Get, Linear, ParamDef
+from ..paths import JsonDict
 
 if TYPE_CHECKING:
     import torch
@@ -67,7 +68,7 @@ class BaseScheme:
     def box_dequantizer(self) -> BoxDequantizer | None:
         return None
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonDict:
         return {"format": self.format, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}}
 
 

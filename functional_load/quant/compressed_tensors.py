@@ -10,10 +10,10 @@ the group's ``format`` (or the config's) says how it is stored: ``float-quantize
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
 
 from ..errors import ConfigError
 from ..layout.quantized import Scheme
+from ..paths import JsonObject
 from .config import KVParam, QuantConfig, group_size_field, ignore_list, int_field, names
 from .fp8 import Fp8Scheme, Int8Scheme, scale_geometry
 from .kv import CACHE_SCALES, COMPRESSED_TENSORS_KV, OPTIONAL_KV
@@ -23,14 +23,14 @@ from .nvfp4 import compressed_tensors_nvfp4
 from .pack import PackScheme
 
 # formats whose module reads the group's weights and input_activations
-MICROSCALING: dict[str, Callable[[Mapping[str, Any], Mapping[str, Any]], Scheme]] = {
+MICROSCALING: dict[str, Callable[[JsonObject, JsonObject], Scheme]] = {
     "nvfp4-pack-quantized": compressed_tensors_nvfp4,
     "mxfp4-pack-quantized": compressed_tensors_mxfp4,
     "mxfp8-quantized": compressed_tensors_mxfp8,
 }
 
 
-def group_scheme(group: Mapping[str, Any], fmt: str) -> Scheme:
+def group_scheme(group: JsonObject, fmt: str) -> Scheme:
     weights = group.get("weights") or {}
     acts = group.get("input_activations") or {}
     bits = int_field(weights.get("num_bits", 8), "weights.num_bits")
@@ -54,7 +54,7 @@ def group_scheme(group: Mapping[str, Any], fmt: str) -> Scheme:
     raise ConfigError(f"compressed-tensors format {fmt!r} with {bits}-bit {kind} weights is not supported")
 
 
-def parse_compressed_tensors(qc: Mapping[str, Any]) -> QuantConfig:
+def parse_compressed_tensors(qc: JsonObject) -> QuantConfig:
     fmt = str(qc.get("format", "")).lower()
     targets: list[tuple[str, Scheme]] = []
     default = None

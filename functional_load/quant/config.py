@@ -13,12 +13,13 @@ import dataclasses
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from ..errors import ConfigError
 from ..layout.param import Check
 from ..layout.quantized import Scheme
 from ..model.mapping import MappingTable
+from ..paths import JsonObject
 
 KVParam = tuple[str, tuple[int, ...], str, float, Check | None]  # name, shape, dtype ("model": the model's), created value, check
 
@@ -126,7 +127,7 @@ def names(value: object, what: str) -> tuple[str, ...]:
     return tuple(value)
 
 
-def ignore_list(qc: Mapping[str, Any]) -> tuple[str, ...]:
+def ignore_list(qc: JsonObject) -> tuple[str, ...]:
     out: list[str] = []
     for key in ("ignore", "ignored_layers", "modules_to_not_convert", "exclude", "exclude_modules"):
         out += names(qc.get(key), key)

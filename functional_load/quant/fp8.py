@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
+from typing import TYPE_CHECKING, ClassVar, Literal, NamedTuple
 
 from ..errors import ConfigError
 from ..layout.experts import from_linears
@@ -26,6 +26,7 @@ from ..layout.param import ParamSpec
 from ..layout.quantized import FP8_DTYPES, Experts, Get, Linear, ParamDef
 from ..layout.scales import Blocked, ExpertBlocks, Slots
 from ..layout.sharding import Replicated, Sharding, Split
+from ..paths import JsonDict, JsonObject
 from .base import BaseScheme
 from .config import QuantConfig, ignore_list, int_field
 from .fp8_targets import experts_to_target, linear_to_target, quantize_dense
@@ -119,7 +120,7 @@ class Fp8Scheme(BaseScheme):
             raise ValueError(f"{self.format} weights with a {self.strategy!r} scale have no block size")
         return self.geometry.size
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonDict:
         block = list(self.geometry.size) if isinstance(self.geometry, BlockScale) else None
         return {"format": self.format, "strategy": self.strategy, "block": block, "static_input": self.static_input,
                 "scale_name": self.scale_name, "scale_dtype": self.scale_dtype, "online": self.online, "block_rule": self.block_rule}
@@ -308,7 +309,7 @@ def dequantize_cells(weight: np.ndarray, cells: Sequence[Cells]) -> npt.NDArray[
     return out
 
 
-def parse_fp8(qc: Mapping[str, Any]) -> QuantConfig:
+def parse_fp8(qc: JsonObject) -> QuantConfig:
     """vLLM's ``fp8`` method: per-tensor (``activation_scheme`` static or dynamic) or, with
     ``weight_block_size``, DeepSeek's block format (``weight_scale_inv``, dynamic activations)."""
     if qc.get("weight_scale_semantics", "") == "inverse" or str(qc.get("checkpoint_format", "")).startswith("float8"):
@@ -344,7 +345,7 @@ def parse_fp8(qc: Mapping[str, Any]) -> QuantConfig:
 ONLINE_METHODS = ("fp8", "fp8_block")
 
 
-def online_quant_config(method: str, config: Mapping[str, Any], stored: bool = False) -> QuantConfig:
+def online_quant_config(method: str, config: JsonObject, stored: bool = False) -> QuantConfig:
     """Quantize an unquantized checkpoint while loading: ``"fp8"`` (per-tensor scale
     ``amax / 448`` per rank-local weight) or ``"fp8_block"`` (128 x 128 blocks). ``stored``: the
     weights were quantized so when saved (a pre-sharded save); they and their scales are read."""

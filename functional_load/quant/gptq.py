@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
 from ..layout.experts import biases, from_linears, w13_split
@@ -24,6 +24,7 @@ from ..layout.param import ParamSpec
 from ..layout.quantized import Experts, Get, Linear, ParamDef, groups_of
 from ..layout.scales import Shared
 from ..model.mapping import MappingTable
+from ..paths import JsonObject
 from .base import BaseScheme
 from .codes import unpack_int32
 from .config import QuantConfig, group_size_field, ignore_list, int_field, names
@@ -88,14 +89,14 @@ class GptqScheme(BaseScheme):
         return ((q - zeros[g]).float() * scales[g]).T.contiguous()
 
 
-def bits_and_group(qc: Mapping[str, Any]) -> tuple[int, int]:
+def bits_and_group(qc: JsonObject) -> tuple[int, int]:
     bits = int_field(qc.get("bits", 4), "bits")
     if bits not in (2, 4, 8):
         raise ConfigError(f"config.json: {bits}-bit GPTQ/AWQ weights are not supported (2, 4 or 8)")
     return bits, group_size_field(qc.get("group_size", -1))
 
 
-def parse_gptq(qc: Mapping[str, Any], v2: bool | None = None) -> QuantConfig:
+def parse_gptq(qc: JsonObject, v2: bool | None = None) -> QuantConfig:
     """``gptq`` / ``gptq_v2`` (``checkpoint_format``), and auto-round's GPTQ packing (v1 zeros)."""
     method = str(qc.get("quant_method", "gptq")).lower()
     if v2 is None:

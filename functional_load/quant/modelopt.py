@@ -10,11 +10,10 @@ supports: ..."), ModelOpt's ``mxfp4`` export included, and so does this parser. 
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Mapping
-from typing import Any
 
 from ..errors import ConfigError
 from ..layout.quantized import Scheme
+from ..paths import JsonObject
 from .config import QuantConfig, ignore_list
 from .fp8 import Fp8Scheme, TensorScale
 from .kv import BASE_KV, CACHE_SCALES, OPTIONAL_KV
@@ -24,7 +23,7 @@ from .nvfp4 import GROUP, Nvfp4Scheme
 VLLM_ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO", "NVFP4", "W4A16_NVFP4", "MXFP8", "MIXED_PRECISION")
 
 
-def parse_modelopt(qc: Mapping[str, Any]) -> QuantConfig:
+def parse_modelopt(qc: JsonObject) -> QuantConfig:
     algo = str(qc.get("quant_algo", ""))
     scheme = _scheme(algo.upper(), qc)
     if scheme is None:
@@ -36,7 +35,7 @@ def parse_modelopt(qc: Mapping[str, Any]) -> QuantConfig:
     return QuantConfig("modelopt", scheme, ignore, kv_params=BASE_KV, mapping=(CACHE_SCALES,), optional=OPTIONAL_KV)
 
 
-def _scheme(algo: str, qc: Mapping[str, Any]) -> Scheme | None:
+def _scheme(algo: str, qc: JsonObject) -> Scheme | None:
     if algo == "FP8":
         return Fp8Scheme(TensorScale(), static_input=True)
     if algo in ("NVFP4", "W4A16_NVFP4"):

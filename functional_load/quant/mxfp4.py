@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
 from ..layout.expert_sharding import Grouped
@@ -26,6 +26,7 @@ from ..layout.parallel import Parallel
 from ..layout.param import ParamSpec
 from ..layout.quantized import Experts, Get, Linear, ParamDef
 from ..layout.sharding import Sharding
+from ..paths import JsonObject
 from .base import BaseScheme
 from .codes import e8m0_values, fp4_values
 from .config import QuantConfig, ignore_list
@@ -57,12 +58,12 @@ class Mxfp4Scheme(BaseScheme):
         return mx_values(fp4_values(get(f"{stem}_{self.weight}")), get(f"{stem}_weight_scale"))
 
 
-def compressed_tensors_mxfp4(weights: Mapping[str, Any], acts: Mapping[str, Any]) -> Mxfp4Scheme:
+def compressed_tensors_mxfp4(weights: JsonObject, acts: JsonObject) -> Mxfp4Scheme:
     _check_group(weights.get("group_size"), "compressed-tensors MXFP4")
     return Mxfp4Scheme("weight_packed")
 
 
-def quark_mxfp4(weight: Mapping[str, Any], inputs: Mapping[str, Any]) -> Mxfp4Scheme:
+def quark_mxfp4(weight: JsonObject, inputs: JsonObject) -> Mxfp4Scheme:
     if weight.get("qscheme") != "per_group" or weight.get("scale_format") != "e8m0":
         raise ConfigError(f"config.json: Quark fp4 weights need per_group e8m0 scales (MXFP4), got {dict(weight)}")
     _check_group(weight.get("group_size"), "Quark MXFP4")
@@ -114,5 +115,5 @@ def mx_values(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return expand_groups(values, e8m0_values(scales), BLOCK)
 
 
-def parse_gpt_oss_mxfp4(qc: Mapping[str, Any]) -> QuantConfig:
+def parse_gpt_oss_mxfp4(qc: JsonObject) -> QuantConfig:
     return QuantConfig("mxfp4", Mxfp4ExpertsScheme(), ignore_list(qc), kinds=("experts",))

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
 from ..layout.parallel import Parallel
 from ..layout.param import ParamSpec
 from ..layout.quantized import FP8_DTYPES, Get, Linear, ParamDef
+from ..paths import JsonObject
 from .base import BaseScheme
 from .codes import e8m0_values
 from .microscaling import expand_groups, grouped_params
@@ -42,7 +43,7 @@ class Mxfp8Scheme(BaseScheme):
         return expand_groups(get(f"{stem}_weight").float(), e8m0_values(get(f"{stem}_weight_scale")), GROUP)
 
 
-def compressed_tensors_mxfp8(weights: Mapping[str, Any], acts: Mapping[str, Any]) -> Mxfp8Scheme:
+def compressed_tensors_mxfp8(weights: JsonObject, acts: JsonObject) -> Mxfp8Scheme:
     if weights.get("group_size") not in (None, GROUP):
         raise ConfigError(f"config.json: compressed-tensors MXFP8 has group_size {weights.get('group_size')!r}; MX groups are {GROUP}")
     return Mxfp8Scheme()

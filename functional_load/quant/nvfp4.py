@@ -17,12 +17,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
 from ..layout.parallel import Parallel
 from ..layout.param import ParamSpec
 from ..layout.quantized import FP8_DTYPES, Get, Linear, ParamDef
+from ..paths import JsonObject
 from .base import BaseScheme
 from .codes import fp4_values
 from .microscaling import expand_groups, grouped_params, per_expert_row, per_row, per_shard
@@ -78,7 +79,7 @@ class Nvfp4Scheme(BaseScheme):
         return self._values(packed, get(f"{stem}_weight_scale"), rows)
 
 
-def compressed_tensors_nvfp4(weights: Mapping[str, Any], acts: Mapping[str, Any]) -> Nvfp4Scheme:
+def compressed_tensors_nvfp4(weights: JsonObject, acts: JsonObject) -> Nvfp4Scheme:
     if weights.get("group_size") not in (None, GROUP):
         raise ConfigError(f"config.json: compressed-tensors NVFP4 has group_size {weights.get('group_size')!r}; NVFP4 groups are {GROUP}")
     return Nvfp4Scheme(modelopt=False, activations=bool(acts))

@@ -7,21 +7,21 @@ scheme. MXFP4 (``fp4`` weights with per-group e8m0 scales) is read by :mod:`.mxf
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
 
 from ..errors import ConfigError
 from ..layout.quantized import Scheme
+from ..paths import JsonObject
 from .config import QuantConfig, ignore_list
 from .fp8 import Fp8Scheme, scale_geometry
 from .kv import BASE_KV, CACHE_SCALES, OPTIONAL_KV
 from .mxfp4 import quark_mxfp4
 
 # weight dtype -> the format module that reads the global scheme's weight and input_tensors
-_EXTRA: dict[str, Callable[[Mapping[str, Any], Mapping[str, Any]], Scheme]] = {"fp4": quark_mxfp4}
+_EXTRA: dict[str, Callable[[JsonObject, JsonObject], Scheme]] = {"fp4": quark_mxfp4}
 
 
-def parse_quark(qc: Mapping[str, Any]) -> QuantConfig:
+def parse_quark(qc: JsonObject) -> QuantConfig:
     glob = qc.get("global_quant_config") or {}
     weight, inputs = glob.get("weight") or {}, glob.get("input_tensors") or {}
     layers = {**(qc.get("layer_quant_config") or {}), **(qc.get("layer_type_quant_config") or {})}
