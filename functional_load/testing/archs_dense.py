@@ -14,7 +14,6 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
-from ..paths import JsonObject
 from .archspec import _LLAMA_LIKE, _NO_HEAD_DIM, ArchSpec
 
 __all__ = ["ARCHS"]
@@ -23,7 +22,7 @@ _TIED = {**_LLAMA_LIKE, "tie_word_embeddings": True}
 _SWA = {**_LLAMA_LIKE, "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]}
 
 
-def _as(arch: str, **fields: Any) -> JsonObject:
+def _as(arch: str, **fields: Any) -> Mapping[str, Any]:
     """config.json fields: the release's architecture name (and more release fields)."""
     return MappingProxyType({"architectures": [arch], **fields})
 

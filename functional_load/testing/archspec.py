@@ -7,10 +7,11 @@ all of them.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any
 
-from ..paths import JsonObject
 from .experts import MoeLayout
 
 __all__ = ["ArchSpec"]
@@ -31,21 +32,21 @@ class ArchSpec:
 
     config_class: str
     model_class: str
-    config: JsonObject
+    config: Mapping[str, Any]
     layers_key: str = "num_hidden_layers"
     heads_key: str = "num_attention_heads"
     kv_heads_key: str | None = "num_key_value_heads"
     moe: MoeLayout | None = None
     notes: str = ""
     text_config_key: str | None = None
-    outer_config: JsonObject = field(default_factory=lambda: MappingProxyType({}))
+    outer_config: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     # (old, new) name prefixes applied after save_pretrained: the released layout, where
     # transformers 5 saves another one (Gemma 3's vision tower)
     renames: tuple[tuple[str, str], ...] = ()
     # top-level config.json fields written after save_pretrained: the architecture name a release
     # carries where transformers writes another class's (InternLM3 written as Llama), and fields
     # releases carry that transformers' config class lacks (MiniMax-M2's rotary_dim, LFM2's conv_dim)
-    config_json: JsonObject = field(default_factory=lambda: MappingProxyType({}))
+    config_json: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
 
 _TOKENS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}  # defaults lie outside vocab 1000

@@ -141,7 +141,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..dtypes import canonical_dtype
-from ..paths import JsonDict, JsonObject
 from .archs import ARCHS, ArchSpec
 from .experts import MoeLayout, fuse, has_fused, linear_experts, unfuse
 from .files import list_tensors, read_checkpoint_tensors, remove_weight_files, write_shards
@@ -220,8 +219,8 @@ def write_checkpoint(
 
 
 def _config_kwargs(
-    spec: ArchSpec, arch: str, num_layers: int, kv_heads: int | None, tie_word_embeddings: bool | None, overrides: JsonObject
-) -> JsonDict:
+    spec: ArchSpec, arch: str, num_layers: int, kv_heads: int | None, tie_word_embeddings: bool | None, overrides: Mapping[str, Any]
+) -> dict[str, Any]:
     """The transformers config's arguments: the architecture's tiny sizes, then the caller's
     layers, KV heads, tying and overrides (for a composite config, nested under its text config)."""
     kwargs = _plain(spec.config)

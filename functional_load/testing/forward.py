@@ -31,7 +31,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..paths import JsonObject
 from .checkpoints import write_unit_scale_checkpoint
 
 if TYPE_CHECKING:
@@ -130,7 +129,7 @@ def _moe_prefix(names: Any, layer: int) -> str | None:
 # JAX
 
 
-def jax_tp_forward(params: JsonObject, config: Any, mesh: Any, input_ids: Any, tp_axis: str = "tp") -> Any:
+def jax_tp_forward(params: Mapping[str, Any], config: Any, mesh: Any, input_ids: Any, tp_axis: str = "tp") -> Any:
     """Logits ``[B, S, vocab]`` (float32, padding columns dropped) of a Llama-family causal LM
     (llama / mistral / qwen2 / qwen3, with optional q/k/v bias and q/k norms; MoE layers as
     qwen3_moe / mixtral) from the global arrays of ``load_jax``, computed with ``jax.shard_map``
@@ -311,7 +310,7 @@ def _jax_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 # torch
 
 
-def torch_tp_decoder_layer(state: JsonObject, config: Any, layer: int, hidden: Any, group: Any = None) -> Any:
+def torch_tp_decoder_layer(state: Mapping[str, Any], config: Any, layer: int, hidden: Any, group: Any = None) -> Any:
     """One decoder layer of one tensor-parallel rank, float32: ``hidden`` ``[B, S, H]`` (the same
     on every rank) -> the layer's output ``[B, S, H]`` (the same on every rank). ``state`` is the
     rank's :func:`functional_load.load` output; the tp size and rank are those of ``group``

