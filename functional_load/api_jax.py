@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any
 from .api import Model, _checkpoint, plan, resolve_model_dir
 from .checkpoint.discover import checkpoint_format
 from .checkpoint.sharded import read_manifest
-from .dtypes import numpy_name, to_numpy, to_torch
+from .dtypes import numpy_name, to_numpy
 from .errors import ConfigError, PlanError
 from .io import Reader, reader_for
+from .io.copies import fill, fresh_array
 from .io.execute import show_progress
-from .io.fill import fill
 from .layout.axes import Range
 from .layout.build import build_layout
 from .model.config import model_dtype, read_config
@@ -31,7 +31,7 @@ from .model.spec import spec_for_config
 from .model.targetmap import Drop, Rule, TargetMap, as_target_map
 from .options import LoadOptions, resolve_options
 from .output.arrays import Progress, block_bytes, build_arrays, device_boxes, file_order
-from .output.jax import as_numpy, local_tp_ranks, tp_axes_of, vllm_arrays
+from .output.jax import local_tp_ranks, tp_axes_of, vllm_arrays
 from .paths import JsonObject
 from .plan import Plan
 from .plan.target import Leaf, LeafPlan, TargetPlan, plan_target
@@ -225,15 +225,14 @@ def plan_jax_target(
 def _target(model: Any, tree: object, target_map: TargetMap, mesh: Mesh | None, reader: Reader | None, opts: LoadOptions) -> Any:
     import jax
     import numpy as np
-    import torch
 
     the_plan, treedef = plan_jax_target(model, tree, target_map, opts, mesh)
     leaves = [p.leaf for p in the_plan.leaves]
 
     def block(i: int, box: tuple[Range, ...]) -> np.ndarray:
-        tensor = torch.empty(tuple(b - a for a, b in box), dtype=to_torch(leaves[i].dtype))
-        fill(the_plan.tensors, tensor, the_plan.leaves[i].box_plan(box), active)
-        return as_numpy(tensor)
+        out = fresh_array(tuple(b - a for a, b in box), to_numpy(leaves[i].dtype))
+        fill(the_plan.tensors, out, the_plan.leaves[i].box_plan(box), active)
+        return out
 
     first = [_first_byte(p) for p in the_plan.leaves]
     active = reader or Reader(opts.read, dict(the_plan.checksums))

@@ -64,26 +64,29 @@ class _Info:
 
 def assemble(arrangement: Arrangement, sources: np.ndarray, box: tuple[tuple[int, int], ...]) -> np.ndarray:
     """The block through the compiled box plan and the executor's ``Copy.arrange``, each copy
-    reading its box from the full sources array."""
+    reading its box from the full sources array; on numpy blocks (a JAX target's) and on torch
+    tensors (a rank's), which must agree."""
     import torch
 
     k = arrangement.stacked
     stacked = tuple(a.size for a in arrangement.axes[:k])
-    whole = torch.from_numpy(sources.reshape(stacked + (-1,)))
-    shape = tuple(a.size for g in arrangement.source for a in (arrangement.axes[i] for i in g))
+    flat = sources.reshape(stacked + (-1,))
     stored = tuple(math.prod(arrangement.axes[i].size for i in g) for g in arrangement.source)
-    out = torch.full(tuple(b - a for a, b in box), -1, dtype=torch.int64)
     plan = box_plan(arrangement, box)
-    for zero in plan.zeros:
-        out[tuple(slice(a, b) for a, b in zero)] = 0
-    for copy in plan.copies:
-        which = tuple(int(i) for i in copy.tensor.strip("(),").split(",") if i.strip()) if k else ()
-        tensor = whole[which].reshape(stored)
-        block = copy.take(tensor)
-        assert tuple(block.shape) == copy.shape and math.prod(shape) == tensor.numel()
-        dst = out[tuple(slice(a, b) for a, b in copy.dst)]
-        dst.copy_(copy.arrange(block, tuple(dst.shape)))
-    return out.numpy()
+    blocks = []
+    for wrap in (np.asarray, torch.from_numpy):
+        out = wrap(np.full(tuple(b - a for a, b in box), -1, dtype=np.int64))
+        for zero in plan.zeros:
+            out[tuple(slice(a, b) for a, b in zero)] = 0
+        for copy in plan.copies:
+            which = tuple(int(i) for i in copy.tensor.strip("(),").split(",") if i.strip()) if k else ()
+            block = copy.take(wrap(np.ascontiguousarray(flat[which]).reshape(stored)))
+            assert tuple(block.shape) == copy.shape
+            dst = out[tuple(slice(a, b) for a, b in copy.dst)]
+            dst[...] = copy.arrange(block, tuple(dst.shape))
+        blocks.append(np.asarray(out))
+    assert np.array_equal(blocks[0], blocks[1]), "numpy and torch blocks differ"
+    return blocks[0]
 
 
 def test_split_range_worked_example() -> None:

@@ -732,3 +732,51 @@ def test_a_tied_head_the_checkpoint_stores_is_dropped_by_the_specs_tie(tiny_chec
     (tied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
     with pytest.raises(fl.PlanError, match=r"'lm_head\.weight'"):
         fl.load_jax(tied, target=target, mapping=fl.TargetMap(rule, drops=keep))
+
+
+NO_TORCH = r"""
+import json, os, sys
+sys.modules["torch"] = None  # import torch raises: MaxText's environment has no torch
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+sys.path.insert(0, sys.argv[1])
+import numpy as np, jax, jax.numpy as jnp
+from jax.sharding import Mesh
+import functional_load as fl
+from test_jax_targets import llama_target
+path, out = sys.argv[2], sys.argv[3]
+config = json.load(open(os.path.join(path, "config.json")))
+mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+tree, rules = llama_target(config, mesh, jnp.bfloat16)
+got = fl.load_jax(path, target=tree, mapping=rules, options=fl.LoadOptions(progress=False))
+flat = jax.tree_util.tree_flatten_with_path(got)[0]
+np.savez(out, **{jax.tree_util.keystr(p): np.asarray(a).astype(np.float32) for p, a in flat})
+"""
+
+
+def test_a_target_tree_loads_without_torch(tiny_checkpoint, tmp_path):
+    """JAX stacks load without torch (MaxText's environment has none): the executor runs a target
+    leaf's copies on numpy blocks, so a target tree with transposes, padding, repeated KV heads and
+    a cast loads with ``import torch`` failing, and equals the whole-tensor rearrangement."""
+    import subprocess
+
+    import jax
+
+    path = tiny_checkpoint("llama", kv_heads=2)
+    out = tmp_path / "got.npz"
+    done = subprocess.run([sys.executable, "-c", NO_TORCH, str(Path(HERE).parent), str(path), str(out)], capture_output=True, text=True,
+                          timeout=300, env=child_env(8))
+    assert done.returncode == 0, done.stderr[-3000:]
+    config = json.loads((path / "config.json").read_text())
+    want = llama_expected(config, checkpoint_tensors(str(path)), 4)
+    got = np.load(out)
+    flat = jax.tree_util.tree_flatten_with_path(want)[0]
+    assert len(got.files) == len(flat) > 10
+    for keys, expected in flat:
+        key = jax.tree_util.keystr(keys)
+        assert np.array_equal(got[key], np.asarray(expected).astype(jnp_bf16()).astype(np.float32)), key
+
+
+def jnp_bf16() -> Any:
+    import ml_dtypes
+
+    return ml_dtypes.bfloat16

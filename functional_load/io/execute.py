@@ -22,8 +22,9 @@ from ..checkpoint import TensorInfo
 from ..layout.segments import Box, box_volume, full_box
 from ..plan.plan import Copy, ParamPlan, Plan
 from ..storage import as_path, is_local
+from .copies import copy_into, direct_bytes
 from .files import EagerReader
-from .fill import allocate, check_scale, copy_into, direct_bytes, is_scale, load_param, prepare, verify_shared
+from .fill import allocate, check_scale, is_scale, load_param, prepare, verify_shared
 from .options import ReadOptions, should_prefetch
 from .prefetch import Prefetcher
 from .reader import Reader, reader_for, verify_unchanged

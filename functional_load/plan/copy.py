@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
+
+import numpy as np
 
 from ..layout.axes import Step, view_to_dims
 from ..layout.param import Transform
@@ -27,6 +29,10 @@ from .rotary import to_halves, to_pairs
 
 if TYPE_CHECKING:
     import torch
+
+# What a copy reads and writes: a torch tensor (a rank's parameters), or a numpy array (a JAX
+# target leaf's block: JAX stacks load without torch).
+Block = TypeVar("Block", "torch.Tensor", np.ndarray)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,27 +82,19 @@ class Copy:
         """The block read: ``src``'s extents over the axes."""
         return tuple(b - a for a, b in self.src)
 
-    def take(self, whole: torch.Tensor) -> torch.Tensor:
+    def take(self, whole: Block) -> Block:
         """The block of a whole source tensor (a reference read)."""
         axes = tuple(n for dim in self.view for n in dim) if self.view else tuple(whole.shape)
         return whole.reshape(axes)[tuple(slice(a, b) for a, b in self.src)]
 
-    def arrange(self, block: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    def arrange(self, block: Block, shape: tuple[int, ...]) -> Block:
         """``block`` (read as ``src``, or dequantized; any shape of its size) rearranged into a
-        destination box of ``shape``."""
-        import torch
+        destination box of ``shape``: a torch tensor (rank loads) or a numpy array (JAX target
+        leaves, which need no torch), the same operations on either."""
+        if isinstance(block, np.ndarray):
+            return _arrange(self, _NUMPY, block, shape)
+        return _arrange(self, _TORCH, block, shape)
 
-        block = block.reshape(self.shape)
-        if self.transform == "neg_exp":
-            block = -block.float().exp()  # as vLLM's loader: -torch.exp(loaded.float())
-        for dim, step in enumerate(self.steps):
-            if step is not None:
-                block = _apply(step, block, dim)
-        if self.perm:
-            block = block.permute(self.perm)
-        if self.scale is not None:
-            block = block.float() * torch.tensor(self.scale, dtype=torch.float32)
-        return block.reshape(shape)
 
     def split(self, element_bytes: int, chunk: int) -> list[Copy]:
         """This copy cut along its first axis into pieces of about ``chunk`` bytes, where that
@@ -210,22 +208,103 @@ def merge_expert_runs(copies: list[Copy]) -> list[Copy]:
     return merged
 
 
-def _apply(step: Step, block: torch.Tensor, dim: int) -> torch.Tensor:
-    import torch
+def _arrange(copy: Copy, ops: _Ops[Block], block: Block, shape: tuple[int, ...]) -> Block:
+    block = block.reshape(copy.shape)
+    if copy.transform == "neg_exp":
+        block = ops.neg_exp(block)  # as vLLM's loader: -torch.exp(loaded.float())
+    for dim, step in enumerate(copy.steps):
+        if step is not None:
+            block = _apply(ops, step, block, dim)
+    if copy.perm:
+        block = ops.permute(block, copy.perm)
+    if copy.scale is not None:
+        block = ops.scale(block, copy.scale)
+    return block.reshape(shape)
 
+
+def _apply(ops: _Ops[Block], step: Step, block: Block, dim: int) -> Block:
     if step.rotary is not None:
-        moved = block.movedim(dim, 0)
+        moved = ops.movedim(block, dim, 0)
         moved = to_pairs(moved, moved.shape[0]) if step.rotary == "pairs" else to_halves(moved, moved.shape[0])
-        block = moved.movedim(0, dim)
+        block = ops.movedim(moved, 0, dim)
     if step.repeat > 1:
-        block = block.repeat_interleave(step.repeat, dim=dim)
+        block = ops.repeat(block, step.repeat, dim)
     if step.skip or block.shape[dim] != step.length:
-        block = block.narrow(dim, step.skip, step.length)
+        block = block[(slice(None),) * dim + (slice(step.skip, step.skip + step.length),)]
     if step.zeros:
-        pad = list(block.shape)
-        pad[dim] = step.zeros
-        block = torch.cat([block, block.new_zeros(pad)], dim=dim)
+        block = ops.pad(block, dim, step.zeros)
     return block
+
+
+class _Ops(Protocol, Generic[Block]):
+    """The few array operations a copy's steps need, for torch tensors and numpy arrays alike."""
+
+    def neg_exp(self, block: Block) -> Block: ...
+
+    def movedim(self, block: Block, source: int, destination: int) -> Block: ...
+
+    def repeat(self, block: Block, times: int, dim: int) -> Block: ...
+
+    def pad(self, block: Block, dim: int, zeros: int) -> Block: ...
+
+    def permute(self, block: Block, perm: tuple[int, ...]) -> Block: ...
+
+    def scale(self, block: Block, scale: float) -> Block: ...
+
+
+class _TorchOps:
+    """The operations on torch tensors (vLLM's own: its loaders compute -exp and casts in torch)."""
+
+    def neg_exp(self, block: torch.Tensor) -> torch.Tensor:
+        return -block.float().exp()
+
+    def movedim(self, block: torch.Tensor, source: int, destination: int) -> torch.Tensor:
+        return block.movedim(source, destination)
+
+    def repeat(self, block: torch.Tensor, times: int, dim: int) -> torch.Tensor:
+        return block.repeat_interleave(times, dim=dim)
+
+    def pad(self, block: torch.Tensor, dim: int, zeros: int) -> torch.Tensor:
+        import torch
+
+        shape = list(block.shape)
+        shape[dim] = zeros
+        return torch.cat([block, block.new_zeros(shape)], dim=dim)
+
+    def permute(self, block: torch.Tensor, perm: tuple[int, ...]) -> torch.Tensor:
+        return block.permute(perm)
+
+    def scale(self, block: torch.Tensor, scale: float) -> torch.Tensor:
+        import torch
+
+        return block.float() * torch.tensor(scale, dtype=torch.float32)
+
+
+class _NumpyOps:
+    """The same operations on numpy arrays (einops and ml_dtypes cover the rest)."""
+
+    def neg_exp(self, block: np.ndarray) -> np.ndarray:
+        raise ValueError("-exp is vLLM's transform of a rank's tensor, computed in torch")
+
+    def movedim(self, block: np.ndarray, source: int, destination: int) -> np.ndarray:
+        return np.moveaxis(block, source, destination)
+
+    def repeat(self, block: np.ndarray, times: int, dim: int) -> np.ndarray:
+        return np.repeat(block, times, axis=dim)
+
+    def pad(self, block: np.ndarray, dim: int, zeros: int) -> np.ndarray:
+        widths = [(0, 0)] * block.ndim
+        widths[dim] = (0, zeros)
+        return np.pad(block, widths)
+
+    def permute(self, block: np.ndarray, perm: tuple[int, ...]) -> np.ndarray:
+        return block.transpose(perm)
+
+    def scale(self, block: np.ndarray, scale: float) -> np.ndarray:
+        return block.astype(np.float32) * np.float32(scale)
+
+
+_TORCH, _NUMPY = _TorchOps(), _NumpyOps()
 
 
 def _outer_dim(copy: Copy) -> tuple[int, int] | None:
