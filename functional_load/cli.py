@@ -40,6 +40,8 @@ def _options(args: argparse.Namespace) -> LoadOptions:
         allow_pickle=args.allow_pickle, revision=args.revision, spec=args.spec, text_only=args.text_only,
         expert_parallel=getattr(args, "expert_parallel", False), expert_placement=getattr(args, "expert_placement", "linear"),
         num_redundant_experts=getattr(args, "redundant_experts", 0), read=read,
+        pp_size=getattr(args, "pp_size", 1), pp_rank=getattr(args, "pp_rank", 0), dp_size=getattr(args, "dp_size", 1),
+        dp_rank=getattr(args, "dp_rank", 0), pp_layer_partition=getattr(args, "pp_layer_partition", None),
     )
 
 
@@ -140,6 +142,23 @@ def _bench(args: argparse.Namespace) -> None:
     raise SystemExit(module.main(argv))
 
 
+def _rank_arguments(p: argparse.ArgumentParser) -> None:
+    """The rank and how it is loaded: the parallel axes, dtype, quantization, experts."""
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    p.add_argument("--rank", type=int, default=0, help="tensor-parallel rank (default 0)")
+    p.add_argument("--pp-size", type=int, default=1, help="pipeline stages (default 1)")
+    p.add_argument("--pp-rank", type=int, default=0, help="pipeline stage of this rank (default 0)")
+    p.add_argument("--pp-layer-partition", default=None, help="decoder layers per stage, e.g. 4,4,3 (default: vLLM's split, "
+                   "or VLLM_PP_LAYER_PARTITION)")
+    p.add_argument("--dp-size", type=int, default=1, help="data-parallel replicas (default 1)")
+    p.add_argument("--dp-rank", type=int, default=0, help="data-parallel rank (default 0)")
+    p.add_argument("--dtype", default=None, help="destination dtype (default: the config's)")
+    p.add_argument("--quantization", default=None, help="quantize an unquantized checkpoint while loading: fp8 | fp8_block")
+    p.add_argument("--expert-parallel", action="store_true", help="spread whole MoE experts over the ranks")
+    p.add_argument("--expert-placement", default="linear", help="linear | round_robin (with --expert-parallel)")
+    p.add_argument("--redundant-experts", type=int, default=0, help="extra physical experts (EPLB)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="functional-load", description=__doc__.split("\n\n")[0].replace("``", ""))
     parser.add_argument("--version", action="version", version=f"functional-load {_version()} (vLLM {VLLM_VERSION} layouts)")
@@ -158,13 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--threads", type=int, default=None, help="reader threads (default 4)")
         p.add_argument("--strategy", default=None, help="read strategy: auto | pread | mmap | eager")
         if rank:
-            p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
-            p.add_argument("--rank", type=int, default=0, help="tensor-parallel rank (default 0)")
-            p.add_argument("--dtype", default=None, help="destination dtype (default: the config's)")
-            p.add_argument("--quantization", default=None, help="quantize an unquantized checkpoint while loading: fp8 | fp8_block")
-            p.add_argument("--expert-parallel", action="store_true", help="spread whole MoE experts over the ranks")
-            p.add_argument("--expert-placement", default="linear", help="linear | round_robin (with --expert-parallel)")
-            p.add_argument("--redundant-experts", type=int, default=0, help="extra physical experts (EPLB)")
+            _rank_arguments(p)
         return p
 
     add("inspect", "list the checkpoint's files and tensors (headers only)", rank=False).set_defaults(run=_inspect)

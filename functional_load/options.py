@@ -42,6 +42,11 @@ class LoadOptions:
       built-in specs); ``text_only``: leave a multimodal model's vision tower out;
     * ``expert_parallel``, ``expert_placement`` (``"linear"`` | ``"round_robin"``),
       ``num_redundant_experts``: how MoE experts are spread over the ranks;
+    * ``pp_size``/``pp_rank``: the pipeline stage (its decoder layers as vLLM's
+      ``get_pp_indices`` splits them, or ``pp_layer_partition``: layers per stage, ``"4,4,3"``
+      or a tuple; ``None``: vLLM's ``VLLM_PP_LAYER_PARTITION`` environment variable when set);
+      ``dp_size``/``dp_rank``: the data-parallel replica (fused MoE experts are split or spread
+      over the ``dp_size x tp_size`` ranks, everything else is as the tensor-parallel rank's);
     * ``read``: :class:`ReadOptions` (strategy, threads, prefetch, hashes); ``progress``: a
       progress bar (``None``: only for long loads).
     """
@@ -56,6 +61,11 @@ class LoadOptions:
     expert_parallel: bool = False
     expert_placement: str = "linear"
     num_redundant_experts: int = 0
+    pp_size: int = 1
+    pp_rank: int = 0
+    dp_size: int = 1
+    dp_rank: int = 0
+    pp_layer_partition: tuple[int, ...] | str | None = None
     read: ReadOptions = ReadOptions()
     progress: bool | None = None
 
@@ -98,8 +108,24 @@ class LoadOptions:
         return dataclasses.replace(self, **changes) if changes else self
 
     def parallel(self, tp_size: int, rank: int) -> Parallel:
-        """Rank ``rank`` of ``tp_size``, with these options' expert parallelism."""
-        return Parallel(tp_size, rank, self.expert_parallel, self.expert_placement, self.num_redundant_experts)
+        """Tensor rank ``rank`` of ``tp_size``, with these options' pipeline stage, data-parallel
+        replica and expert parallelism."""
+        return Parallel(tp_size, rank, self.expert_parallel, self.expert_placement, self.num_redundant_experts,
+                        self.pp_size, self.pp_rank, self.dp_size, self.dp_rank, self.layer_partition())
+
+    def layer_partition(self) -> tuple[int, ...]:
+        """Decoder layers per pipeline stage when given: the option, else ``VLLM_PP_LAYER_PARTITION``
+        (read as vLLM reads it: comma-separated integers); ``()``: vLLM's own split."""
+        given = self.pp_layer_partition if self.pp_layer_partition is not None else os.environ.get("VLLM_PP_LAYER_PARTITION")
+        if given is None:
+            return ()
+        if isinstance(given, str):
+            try:
+                return tuple(int(layer) for layer in given.split(","))
+            except ValueError:
+                raise ConfigError(f"Invalid partition string: {given} (pp_layer_partition / VLLM_PP_LAYER_PARTITION: layers per "
+                                  f"stage, comma-separated)") from None
+        return tuple(given)
 
     def arch_spec(self) -> ArchSpec | None:
         """The spec asked for: as given, read from a ``.toml`` path, or found by name (``None``:

@@ -278,3 +278,36 @@ def test_the_syscall_check_catches_a_reader_that_reads_too_much(checkpoints, mon
     assert reader.bytes_read == the_plan.bytes_to_read  # its own count is fooled
     assert sum(int(c.sum()) for c in counts.values()) > the_plan.bytes_to_read
     assert any((counts[f] != planned[f]).any() for f in files)
+
+
+def test_a_pipeline_stage_reads_no_byte_of_another_stages_layers(tmp_path, monkeypatch):
+    """PP 2 x TP 2 over 5 layers (vLLM's split: layers 0-2, then 3-4): each rank's system calls
+    read exactly its plan's boxes, and every byte of a checkpoint tensor is read by the ranks of
+    the one stage holding it (the embedding by the first, the final norm and head by the last).
+    Negative control: the union over both stages is the whole checkpoint, so a stage reading
+    another's layers would show up as a tensor read by two stages."""
+    directory = write_checkpoint("llama", tmp_path / "llama5", kv_heads=2, num_hidden_layers=5)
+    sizes = checkpoint_bytes(directory)
+    log = SyscallLog(monkeypatch)
+    stages_of: dict[str, set[int]] = {}
+    for stage in (0, 1):
+        for rank in (0, 1):
+            the_plan = plan(directory, tp_size=2, rank=rank, pp_size=2, pp_rank=stage)
+            files = sorted({info.file for info in the_plan.tensors.values()})
+            with reader_for(the_plan, ReadOptions(strategy="pread")) as reader:
+                execute(the_plan, reader=reader, progress=False)
+            counts = read_counts(log.take(), files)
+            assert reader.bytes_read == the_plan.bytes_to_read == sum(int(c.sum()) for c in counts.values())
+            planned = planned_counts(the_plan, files)
+            for f in files:
+                np.testing.assert_array_equal(counts[f], planned[f], err_msg=f"stage {stage} rank {rank}: {f.name}")
+            for p in the_plan.params:
+                for c in p.copies:
+                    stages_of.setdefault(c.tensor, set()).add(stage)
+            dropped = dict(the_plan.dropped)
+            assert all("pipeline stage" in why for why in dropped.values()), dropped
+    assert set(stages_of) == set(sizes), "every checkpoint tensor is read by some stage"
+    for name, stages in stages_of.items():
+        layer = int(name.split(".")[2]) if name.startswith("model.layers.") else None
+        want = {0 if layer < 3 else 1} if layer is not None else {0} if "embed_tokens" in name else {1}
+        assert stages == want, (name, stages)

@@ -20,6 +20,7 @@ from ..vllm_target import VLLM_VERSION
 from .modules import module_params
 from .parallel import Parallel
 from .param import ParamSpec
+from .pipeline import PipelineStage
 from .quantized import ParamDef, Quantization, Scheme
 
 # A config asking for more layers than this is corrupt or hostile (real models have a few hundred
@@ -43,6 +44,10 @@ class Layout:
     # (regex, why): checkpoint tensors dropped when no parameter takes them (the quantization method's
     # optional tensors: KV-cache scales it has no parameter for, GPTQ's zero biases)
     optional: tuple[tuple[str, str], ...] = ()
+    # pipeline parallelism: the rank's stage, and the decoder-layer module patterns whose other
+    # layers (those outside the stage) are dropped with the stage's reason
+    stage: PipelineStage | None = None
+    layer_modules: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
@@ -65,10 +70,10 @@ def _layer_count(spec: ArchSpec, module: ModuleSpec, scope: Scope, num_layers: i
 
 def _instances(
     spec: ArchSpec, scope: Scope, num_layers: int, modules: tuple[ModuleSpec, ...] | None = None
-) -> Iterator[tuple[ModuleSpec, str, Scope]]:
-    """Module instances in model order: each run of consecutive ``{layer}`` modules with the same
-    ``layers`` is expanded layer-major (all of layer 0, then layer 1...); ``when`` filters
-    instances; a module's ``prefix`` replaces the spec's."""
+) -> Iterator[tuple[ModuleSpec, str, Scope, int | None]]:
+    """Module instances in model order, with the decoder layer of each (None outside them): each
+    run of consecutive ``{layer}`` modules with the same ``layers`` is expanded layer-major (all
+    of layer 0, then layer 1...); ``when`` filters instances; a module's ``prefix`` replaces the spec's."""
     runs: list[list[ModuleSpec]] = []
     for module in spec.modules if modules is None else modules:
         per_layer = _per_layer(module)
@@ -85,7 +90,20 @@ def _instances(
                 if "when" in module.fields and not evaluate(module.fields["when"], layer_scope):
                     continue
                 prefix = str(module.fields.get("prefix", spec.prefix))
-                yield module, prefix + _instance_name(module, layer, layer_scope), layer_scope
+                yield module, prefix + _instance_name(module, layer, layer_scope), layer_scope, layer if _decoder_layer(module) else None
+
+
+def _decoder_layer(module: ModuleSpec) -> bool:
+    """Whether the module is part of each decoder layer (a ``{layer}`` module with the spec's count)."""
+    return _per_layer(module) and "layers" not in module.fields
+
+
+def _off_stage(spec: ArchSpec, modules: tuple[ModuleSpec, ...], stage: PipelineStage | None) -> tuple[tuple[str, str], ...]:
+    """The modules outside the decoder layers that ``stage`` does not hold, as left-out patterns."""
+    if stage is None:
+        return ()
+    off = [m for m in modules if not _decoder_layer(m) and not stage.holds(m.pattern, None)]
+    return tuple((str(m.fields.get("prefix", spec.prefix)) + m.pattern, stage.why) for m in off)
 
 
 def _per_layer(module: ModuleSpec) -> bool:
@@ -122,8 +140,9 @@ def model_tp_sizes(
 
 def _served_placement(spec: ArchSpec, scope: Scope, parallel: Parallel, warn: bool) -> Parallel:
     """The expert placement vLLM serves: round-robin only with expert parallelism over several
-    ranks, for models with more than one expert group and no redundant experts; otherwise
-    linear (with a warning when round-robin was asked for and cannot be served)."""
+    ranks, for models with more than one expert group and no redundant experts, without data
+    parallelism (vLLM's ``determine_expert_placement_strategy``); otherwise linear (with a
+    warning when round-robin was asked for and cannot be served)."""
     experts = [m for m in spec.modules if m.kind == "experts"]
     if parallel.expert_placement != "round_robin" or not experts:
         return parallel
@@ -131,10 +150,12 @@ def _served_placement(spec: ArchSpec, scope: Scope, parallel: Parallel, warn: bo
     if parallel.ep_size == 1:
         return linear
     groups = scope.int(experts[0].fields.get("groups", 1), f"{experts[0].pattern}.groups")
-    if groups > 1 and parallel.num_redundant_experts == 0:
+    if groups > 1 and parallel.num_redundant_experts == 0 and parallel.dp_size == 1:
         return parallel
     if warn:
         why = f"{spec.name} has {groups} expert group(s)" if groups <= 1 else f"{parallel.num_redundant_experts} redundant experts"
+        if groups > 1 and parallel.num_redundant_experts == 0:  # data parallel: vLLM's all2all kernels
+            why = f"dp_size={parallel.dp_size}: the default all2all backend (allgather_reducescatter) has no round-robin routing tables"
         warnings.warn(
             f"expert_placement='round_robin' falls back to 'linear', as vLLM {VLLM_VERSION} serves it: round-robin "
             f"placement needs more than one expert group and no redundant experts ({why}); the plan records 'linear'",
@@ -151,15 +172,12 @@ def build_layout(
     :mod:`functional_load.quant`) decides each linear's quantized tensors; ``text_only`` leaves
     out the ``vision = true`` modules (their tensors are dropped, with the reason). Divisibility
     problems of all modules are collected and raised together as one ShardingError."""
-    if parallel.pp_size > 1 or parallel.dp_size > 1:  # the rank value has the axes; the layouts are not planned yet
-        raise ShardingError(
-            f"pp_size={parallel.pp_size}, dp_size={parallel.dp_size}: pipeline stages and data-parallel expert sharding "
-            f"are not planned yet (a stage holds only its layers, experts spread over dp x tp ranks); load with pp_size=1 and dp_size=1"
-        )
     scope = Scope(config, spec.dims)
     stages = tuple(_stage_table(stage, scope) for stage in spec.stages if stage.layers is not None or evaluate(stage.when, scope))
     schemes: dict[str, Scheme] = {}
     num_layers = _num_layers(spec, scope)
+    tied = spec.tie is not None and bool(evaluate(spec.tie.when, scope))
+    stage = PipelineStage.of(spec.pipeline, num_layers, parallel, tied, spec.name)
     parallel = _served_placement(spec, scope, parallel, warn=report)
     _refusals(spec, scope, parallel)
     params: dict[str, ParamSpec] = {}
@@ -169,8 +187,9 @@ def build_layout(
     vision = [m for m in spec.modules if text_only and m.fields.get("vision")]
     left_out = tuple((str(m.fields.get("prefix", spec.prefix)) + m.pattern, TEXT_ONLY_REASON) for m in vision)
     kept = tuple(m for m in spec.modules if m not in vision)
-    for module, name, module_scope in _instances(spec, scope, num_layers, kept):
-        if module.pattern in failed:
+    left_out += _off_stage(spec, kept, stage)
+    for module, name, module_scope, layer in _instances(spec, scope, num_layers, kept):
+        if module.pattern in failed or (stage is not None and not stage.holds(module.pattern, layer)):
             continue
         transposed = bool(module.fields.get("transposed", False))
         try:
@@ -188,13 +207,17 @@ def build_layout(
         tail = f"tp sizes (up to 64) that work for the whole model: {sizes}"
         raise ShardingError("\n".join([head, *(f"  - {p}" for p in problems), tail]))
     aliases = {}
-    if spec.tie is not None and evaluate(spec.tie.when, scope):
-        params.pop(spec.prefix + spec.tie.alias, None)
-        aliases[spec.prefix + spec.tie.alias] = spec.prefix + spec.tie.target
+    if spec.tie is not None and tied:
+        alias, target = spec.prefix + spec.tie.alias, spec.prefix + spec.tie.target
+        params.pop(alias, None)
+        if stage is None or (stage.holds(spec.tie.alias.rsplit(".", 1)[0], None) and target in params):
+            aliases[alias] = target
     quant_stages = quant.mapping if quant else ()
     mapping = (ROTARY_CACHES, *quant_stages, *stages)
     optional = tuple(quant.optional) if quant else ()
-    return Layout(spec.name, parallel, dtype, params, mapping, aliases, schemes, _drops(spec, scope), left_out, optional)
+    layer_modules = tuple(str(m.fields.get("prefix", spec.prefix)) + m.pattern for m in kept if _decoder_layer(m)) if stage else ()
+    return Layout(spec.name, parallel, dtype, params, mapping, aliases, schemes, _drops(spec, scope), left_out, optional,
+                  stage, layer_modules)
 
 
 def _num_layers(spec: ArchSpec, scope: Scope) -> int:
@@ -262,7 +285,17 @@ class _Fields(dict[str, Value]):
 
 
 def _refusals(spec: ArchSpec, scope: Scope, parallel: Parallel) -> None:
-    """The configurations vLLM refuses for this architecture, refused in its words."""
+    """The configurations vLLM refuses for this architecture, refused in its words; and the one
+    vLLM serves differently that is not planned yet: data parallelism with expert parallelism
+    and tp_size > 1, where vLLM runs the MoE layers sequence-parallel (its default all2all
+    backend), which changes other layers' layouts model by model (shared experts replicated)."""
+    if parallel.dp_size > 1 and parallel.expert_parallel and parallel.tp_size > 1 and any(m.kind == "experts" for m in spec.modules):
+        raise ShardingError(
+            f"{spec.name}: dp_size={parallel.dp_size} x tp_size={parallel.tp_size} with expert_parallel=True: vLLM {VLLM_VERSION} "
+            f"runs the MoE layers sequence-parallel there (ParallelConfig.use_sequence_parallel_moe), which replicates shared "
+            f"experts and changes other layouts per model; functional_load does not plan it yet. Load with tp_size=1 per "
+            f"data-parallel rank (wide expert parallelism, dp_size x 1), or without expert_parallel"
+        )
     values = scope.with_values(tp_size=parallel.tp_size, expert_parallel=parallel.expert_parallel)
     for refusal in spec.refusals:
         if evaluate(refusal.when, values):

@@ -65,6 +65,7 @@ class Parallel:
     pp_rank: int = 0
     dp_size: int = 1
     dp_rank: int = 0
+    pp_partition: tuple[int, ...] = ()  # decoder layers per stage (vLLM's VLLM_PP_LAYER_PARTITION); (): vLLM's split
 
     def __post_init__(self) -> None:
         for size, index, what in ((self.tp_size, self.rank, "tp_size/rank"), (self.pp_size, self.pp_rank, "pp_size/pp_rank"),
@@ -77,6 +78,9 @@ class Parallel:
         redundant = self.num_redundant_experts
         if isinstance(redundant, bool) or not isinstance(redundant, int) or redundant < 0:
             raise ShardingError(f"num_redundant_experts must be a non-negative integer, got {redundant!r}")
+        partition = self.pp_partition
+        if not isinstance(partition, tuple) or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in partition):
+            raise ShardingError(f"pp_partition must be a tuple of layer counts (non-negative integers), got {partition!r}")
         if redundant and not self.expert_parallel:
             raise ShardingError("num_redundant_experts needs expert_parallel=True (redundant experts are an EP feature)")
 
@@ -117,6 +121,8 @@ class Parallel:
         }
         if self.pp_size > 1 or self.dp_size > 1:  # a single-stage, single-replica rank is written as before
             out.update(pp_size=self.pp_size, pp_rank=self.pp_rank, dp_size=self.dp_size, dp_rank=self.dp_rank)
+        if self.pp_partition:
+            out["pp_partition"] = list(self.pp_partition)
         return out
 
 

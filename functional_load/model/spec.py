@@ -14,7 +14,7 @@ import os
 import re
 import sys
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from types import MappingProxyType
@@ -23,6 +23,7 @@ from ..errors import ConfigError
 from ..paths import JsonDict, JsonObject
 from .mapping import RULE_KINDS, MappingTable, Rule, shard_id_tuple
 from .spec_fields import carried, check_module
+from .spec_parts import DropSpec, PipelineSpec, RefuseSpec, TieSpec
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -52,45 +53,6 @@ class ModuleSpec:
 
 
 @dataclass(frozen=True, slots=True)
-class TieSpec:
-    """``alias`` is the same tensor as ``target`` when ``when`` holds (tied word embeddings)."""
-
-    alias: str
-    target: str
-    when: str
-
-
-@dataclass(frozen=True, slots=True)
-class DropSpec:
-    """Checkpoint tensors that are not this model's parameters, with why: every name starting
-    with ``prefix``, for each ``{layer}`` in ``[first, stop)`` (expressions over the config) when
-    the prefix has one: e.g. DeepSeek-V3's multi-token-prediction layers past ``num_hidden_layers``,
-    or a multimodal checkpoint's ``vision_model.``. ``when`` (an expression, with ``layer`` bound
-    for a prefix holding ``{layer}``) keeps only the layers it holds for: the indexer weights
-    DeepSeek-V3.2 ships for the layers whose indexer vLLM does not build."""
-
-    prefix: str
-    reason: str
-    first: str | int = 0
-    stop: str | int = 1
-    when: str | bool = True
-
-    def __post_init__(self) -> None:
-        if self.prefix.count("{layer}") > 1:
-            raise ConfigError(f"drop prefix {self.prefix!r} may contain {{layer}} once at most")
-
-
-@dataclass(frozen=True, slots=True)
-class RefuseSpec:
-    """A configuration vLLM refuses, refused here with its words: when ``when`` holds (an
-    expression over the config, the dims, ``tp_size`` and ``expert_parallel``), the layout is a
-    ShardingError with ``message`` (``{name}`` fields filled from the same names)."""
-
-    when: str
-    message: str
-
-
-@dataclass(frozen=True, slots=True)
 class Stage:
     """One mapping table, applied only when ``when`` (an expression over the config) holds.
 
@@ -117,6 +79,7 @@ class ArchSpec:
     drops: tuple[DropSpec, ...] = ()
     prefix: str = ""  # before every module and tied name: a multimodal model's language model ("language_model.")
     refusals: tuple[RefuseSpec, ...] = ()
+    pipeline: PipelineSpec = field(default_factory=PipelineSpec)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dims", MappingProxyType(dict(self.dims)))
@@ -144,7 +107,7 @@ def _stage(stage: JsonObject, where: str) -> Stage:
 
 def parse_spec(data: JsonObject, source: str = "<spec>") -> ArchSpec:
     """Build an :class:`ArchSpec` from parsed TOML, checking every field."""
-    known = {"name", "architectures", "layers", "dims", "modules", "stages", "tie", "extends", "drop", "prefix", "refuse"}
+    known = {"name", "architectures", "layers", "dims", "modules", "stages", "tie", "extends", "drop", "prefix", "refuse", "pipeline"}
     unknown = set(data) - known
     if unknown:
         raise ConfigError(f"{source}: unknown top-level keys {sorted(unknown)}; expected {sorted(known)}")
@@ -168,6 +131,7 @@ def parse_spec(data: JsonObject, source: str = "<spec>") -> ArchSpec:
             drops=tuple(DropSpec(**d) for d in data.get("drop", [])),
             prefix=str(data.get("prefix", "")),
             refusals=tuple(RefuseSpec(**r) for r in data.get("refuse", [])),
+            pipeline=PipelineSpec(**data.get("pipeline", {})),
         )
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, ConfigError):

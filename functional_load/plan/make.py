@@ -172,6 +172,10 @@ class _Router:
         self.left_out = [  # text_only: the vision modules
             (re.compile(re.escape(pattern).replace(re.escape("{layer}"), r"\d+") + r"\."), why) for pattern, why in layout.left_out
         ]
+        self.layer_modules = [  # pipeline parallelism: the decoder layers of other stages
+            re.compile(re.escape(pattern).replace(re.escape("{layer}"), r"(\d+)", 1).replace(re.escape("{layer}"), r"\d+") + r"\.")
+            for pattern in layout.layer_modules if "{layer}" in pattern
+        ]
         self.mapper = NameMapper(renames + layout.mapping)
         self.optional = [(re.compile(pattern), why) for pattern, why in layout.optional]
 
@@ -198,11 +202,19 @@ class _Router:
         return None
 
     def _left_out(self, param: str) -> str | None:
-        """Why ``param`` belongs to a module the layout leaves out (text_only), or None."""
+        """Why ``param`` belongs to a module the layout leaves out (text_only, another pipeline
+        stage's), or None."""
         for regex, why in self.left_out:
             found = regex.match(param)
             if found:
                 return f"{found.group(0)[:-1]}: {why}"
+        stage = self.layout.stage
+        if stage is None:
+            return None
+        for regex in self.layer_modules:
+            found = regex.match(param)
+            if found and not stage.start <= int(found.group(1)) < stage.stop:
+                return f"{found.group(0)[:-1]}: {stage.why}"
         return None
 
 
