@@ -38,9 +38,9 @@ def test_every_rank_state_is_identical_or_refused_by_both(rows: list[Row]) -> No
 
 
 def test_every_case_was_compared(rows: list[Row]) -> None:
-    """No case silently vanishes: each (case, tp, options) has rows, and real comparisons dominate."""
-    seen = {(r.case, r.tp, r.options) for r in rows}
-    expected = {(c.name, tp, o.label) for c in CASES for tp in c.tps for o in c.options}
+    """No case silently vanishes: each (case, layout, options) has rows, and real comparisons dominate."""
+    seen = {(r.case, r.tp, r.grid, r.options) for r in rows}
+    expected = {(c.name, g.tp, g.label, o.label) for c in CASES for g in c.layouts for o in c.options}
     assert seen == expected
     identical = sum(r.outcome == IDENTICAL for r in rows)
     assert identical >= 3000, summary(rows)

@@ -177,3 +177,55 @@ def select(cases: tuple[Case, ...], patterns: list[str]) -> tuple[Case, ...]:
 # ``functional-load check-spec gpt2 --tp 1,2``, and a Llama spec at tp 2.
 CHECK_SPEC: tuple[Case, ...] = (check_case("gpt2", (1, 2)), check_case("llama", (2,)))
 RECORDED: tuple[Case, ...] = CASES + CHECK_SPEC  # every case whose vLLM answers tests/oracle/vllm/ holds
+
+
+def _pipeline(cases: tuple[Case, ...]) -> tuple[Case, ...]:
+    """Each architecture's first case again over pipeline stages (2 stages at tp 1 and 2, 3
+    stages: the tiny checkpoints' 2 layers leave the first stage none), and each MoE family's over
+    data parallelism (dp 2 x tp 2, with and without expert parallelism); Llama with 5 layers
+    over uneven splits and a custom partition, and tied embeddings (the last stage holds the
+    embedding as its head)."""
+    from functional_load.testing.archs import ARCHS
+    from functional_load.testing.parity.case import Grid
+
+    out, seen = [], set()
+    cannot = {  # vLLM 0.32 fails to build or load a stage (the tiny checkpoints' first layers are dense, 2 layers)
+        "glm4_moe": "vLLM's model needs an MoE layer on every stage (RuntimeError: No Glm4MoE layer found)",
+        "glm4_moe_lite": "vLLM's model needs an MoE layer on every stage (RuntimeError: No Glm4MoE layer found)",
+        "afmoe": "vLLM's model needs an MoE layer on every stage (RuntimeError: No AfmoeMoE layer found)",
+        "hy_v3": "vLLM's model needs an MoE layer on every stage (RuntimeError: No MoE layer found)",
+        "lfm2_moe": "vLLM's model needs an MoE layer on every stage (RuntimeError: No Lfm2MoeSparseMoeBlock layer found)",
+        "qwen3vlmoe": "vLLM's model needs an MoE layer on every stage (a third stage of 2 layers holds none)",
+        "longcat_flash": "vLLM's loader fails on a stage without layers (KeyError: 'embed_tokens.weight')",
+        **{arch: "vLLM's MoE model needs an MoE layer on every stage; a third stage of 2 layers holds none (No ... layer found)"
+           for arch in ("mixtral", "qwen3_moe", "qwen3_5_moe", "qwen3_next", "qwen3_5_moe_vl")},
+        "llama4_text": "vLLM's Llama 4 loader fails on the last stage (KeyError: 'embed_tokens.weight')",
+        "granitemoehybrid": "vLLM's loader fails on a stage without the layer (KeyError: 'layers.1.block_sparse_moe.gate.weight')",
+        "llama4": "vLLM's Llama 4 loader fails on a stage without the embedding (KeyError: 'embed_tokens.weight')",
+        "ernie4_5_moe": "vLLM fails to tie the head on a stage without it (AttributeError: 'PPMissingLayer' ... 'tie_weights')",
+    }
+    dp_cannot = {"llama4": "vLLM leaves the language model's layers unloaded on some ranks (ValueError: weights not initialized)"}
+    refuse = {"gemma4_text": "Gemma 4 stages are not planned (vLLM refuses every stage but the first: KV sharing across stages)",
+              "gemma4": "Gemma 4 stages are not planned (vLLM refuses every stage but the first: KV sharing across stages)"}
+    sequence_parallel = "dp x tp 2 with expert parallelism: vLLM's sequence-parallel MoE is not planned yet (refused with the reason)"
+    for c in cases:
+        if c.arch is None or c.arch in seen or c.mistral_copy or c.names or c.arch not in ARCHS:
+            continue
+        seen.add(c.arch)
+        grids = (Grid(1, 2), Grid(2, 2), Grid(1, 3))
+        why = next((w for key, w in cannot.items() if c.arch == key or c.name.startswith(key)), c.vllm_cannot)
+        out.append(Case(f"{c.name}-pp", c.arch, c.build, tps=(), grids=grids, options=(c.options[0],), multimodal=c.multimodal,
+                        vllm_cannot=why, we_refuse=refuse.get(c.arch, c.we_refuse)))
+        if c.options == MOE:  # wide EP (dp 4 x tp 1), and dp 2 x tp 2
+            out.append(Case(f"{c.name}-dp", c.arch, c.build, tps=(), grids=(Grid(1, dp=4), Grid(2, dp=2)), options=MOE,
+                            multimodal=c.multimodal, vllm_cannot=dp_cannot.get(c.arch, c.vllm_cannot), we_refuse=sequence_parallel))
+    splits = (Grid(1, 2), Grid(1, 3), Grid(2, 2), Grid(1, 4), Grid(1, 3, partition="1,1,3"), Grid(2, 2, partition="4,1"))
+    out.append(Case("llama-pp-splits", "llama", {"kv_heads": 2, "num_hidden_layers": 5}, tps=(), grids=splits,
+                    note="5 layers: vLLM's uneven splits [3, 2], [2, 2, 1], [1, 1, 2, 1] and custom partitions"))
+    out.append(Case("llama-mqa-tied-pp", "llama", {"kv_heads": 1, "tie_word_embeddings": True}, tps=(), grids=(Grid(1, 2), Grid(1, 3))))
+    return tuple(out)
+
+
+PIPELINE: tuple[Case, ...] = _pipeline(CASES)
+CASES = CASES + PIPELINE
+RECORDED = RECORDED + PIPELINE

@@ -10,10 +10,10 @@ from functional_load.vllm_target import VLLM_VERSION
 
 
 def markdown(rows: list[Row], summary: str) -> str:
-    """One line per (case, tp, options): how many ranks were identical, or what happened."""
-    groups: dict[tuple[str, int, str], list[Row]] = defaultdict(list)
+    """One line per (case, layout, options): how many ranks were identical, or what happened."""
+    groups: dict[tuple[str, str, str], list[Row]] = defaultdict(list)
     for row in rows:
-        groups[(row.case, row.tp, row.options)].append(row)
+        groups[(row.case, f"{row.tp} ({row.grid})" if row.grid else str(row.tp), row.options)].append(row)
     lines = [
         f"<!-- written by `python -m harness.parity --markdown ...` against vLLM {VLLM_VERSION} -->",
         "",

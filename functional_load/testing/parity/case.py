@@ -63,6 +63,44 @@ class Options:
         return out
 
 
+@dataclass(frozen=True)
+class Grid:
+    """The parallel layout of a run: ``tp`` tensor ranks, ``pp`` pipeline stages (``partition``:
+    layers per stage, vLLM's ``VLLM_PP_LAYER_PARTITION``; "": vLLM's split), ``dp`` data-parallel
+    replicas. Flat rank ``(dp_rank * pp + pp_rank) * tp + tp_rank``, as the worker counts."""
+
+    tp: int
+    pp: int = 1
+    dp: int = 1
+    partition: str = ""
+
+    @property
+    def size(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    @property
+    def label(self) -> str:
+        """The pipeline and data-parallel part of the run's name ("" for a tensor-parallel run)."""
+        parts = ([f"dp{self.dp}"] if self.dp > 1 else []) + ([f"pp{self.pp}"] if self.pp > 1 else [])
+        return ".".join(parts + ([f"part{self.partition.replace(',', '-')}"] if self.partition else []))
+
+    def job(self) -> dict[str, Any]:
+        """The worker's fields (a tensor-parallel run's job is as it always was)."""
+        out: dict[str, Any] = {"tp": self.tp}
+        out.update({k: v for k, v in (("pp", self.pp), ("dp", self.dp)) if v > 1})
+        return {**out, **({"pp_partition": self.partition} if self.partition else {})}
+
+    def ours(self, flat: int) -> dict[str, Any]:
+        """functional_load's arguments for flat rank ``flat``."""
+        d, p, t = flat // (self.tp * self.pp), flat // self.tp % self.pp, flat % self.tp
+        out: dict[str, Any] = {"tp_size": self.tp, "rank": t}
+        if self.pp > 1:
+            out.update(pp_size=self.pp, pp_rank=p, pp_layer_partition=self.partition or ())
+        if self.dp > 1:
+            out.update(dp_size=self.dp, dp_rank=d)
+        return out
+
+
 DENSE = (Options(),)
 MOE = (Options(), Options(True), Options(True, "round_robin"))
 
@@ -81,6 +119,7 @@ class Case:
     build: Mapping[str, Any] = field(default_factory=dict)
     fixture: str | None = None
     tps: tuple[int, ...] = (1, 2, 4, 8)
+    grids: tuple[Grid, ...] = ()  # pipeline and data-parallel runs, besides the tensor-parallel ``tps``
     options: tuple[Options, ...] = DENSE
     vllm_cannot: str = ""  # why vLLM cannot load this while functional_load can (listed in the report)
     we_refuse: str = ""  # why functional_load refuses a state vLLM loads (listed in the report)
@@ -93,6 +132,11 @@ class Case:
         object.__setattr__(self, "build", MappingProxyType(dict(self.build)))
         if (self.arch is None) == (self.fixture is None):
             raise ValueError(f"case {self.name}: give exactly one of arch or fixture")
+
+    @property
+    def layouts(self) -> tuple[Grid, ...]:
+        """Every parallel layout the case runs: each of ``tps``, then ``grids``."""
+        return tuple(Grid(tp) for tp in self.tps) + self.grids
 
     def write(self, root: Path) -> Path:
         """The case's checkpoint directory (built under ``root`` on first use)."""

@@ -24,7 +24,7 @@ import functional_load as fl
 from ...model.config import read_config
 from ...model.spec import spec_for_config
 from .. import records
-from .case import Case, Options
+from .case import Case, Grid, Options
 from .record import Oracle
 
 IDENTICAL = "identical"
@@ -39,7 +39,8 @@ ACCEPTED = (IDENTICAL, REFUSED_BOTH, VLLM_CANNOT, WE_REFUSE)
 class Row:
     case: str
     tp: int
-    rank: int | None  # None: the whole configuration (refused before any rank)
+    rank: int | None  # None: the whole configuration (refused before any rank); a flat rank over a grid
+
     options: str
     outcome: str
     detail: str = ""
@@ -50,31 +51,33 @@ class Row:
     spec: str = ""
     vllm_class: str = ""
     quantization: str = ""
+    grid: str = ""  # the pipeline / data-parallel layout ("" for a tensor-parallel run)
 
     def line(self) -> str:
         rank = "*" if self.rank is None else str(self.rank)
-        text = f"{self.case:<24} tp={self.tp:<2} rank={rank:<2} {self.options:<16} {self.outcome}"
+        text = f"{self.case:<24} tp={self.tp:<2}{' ' + self.grid if self.grid else ''} rank={rank:<2} {self.options:<16} {self.outcome}"
         return text + (f": {self.detail}" if self.detail else "")
 
 
-def job_id(case: Case, tp: int, options: Options) -> str:
-    """vLLM's run for (case, tp, options); options that are ours alone (text_only) share it."""
+def job_id(case: Case, grid: Grid, options: Options) -> str:
+    """vLLM's run for (case, grid, options); options that are ours alone (text_only) share it."""
     label = options.vllm_label
-    return f"{case.name}.tp{tp}" + ("" if label == "-" else "." + label.replace(",", "."))
+    layout = f"{grid.label}.tp{grid.tp}" if grid.label else f"tp{grid.tp}"
+    return f"{case.name}.{layout}" + ("" if label == "-" else "." + label.replace(",", "."))
 
 
 def _jobs(cases: Iterable[Case], models: Mapping[str, Path]) -> list[dict[str, Any]]:
     jobs = {
-        job_id(c, tp, o): {
-            "id": job_id(c, tp, o),
+        job_id(c, grid, o): {
+            "id": job_id(c, grid, o),
             "case": c.name,
             "model": str(models[c.name]),
-            "tp": tp,
+            **grid.job(),
             **o.vllm(),
             "multimodal": c.multimodal,
         }
         for c in cases
-        for tp in c.tps
+        for grid in c.layouts
         for o in c.options
     }
     return list(jobs.values())
@@ -104,8 +107,8 @@ def compare_state(ours: Mapping[str, Any], theirs: Mapping[str, Any], aliases: M
     return problems, listed
 
 
-def _ours(model: Path, tp: int, rank: int, options: Options, plan_only: bool) -> Any:
-    kwargs = {"tp_size": tp, "rank": rank, **options.ours()}
+def _ours(model: Path, grid: Grid, rank: int, options: Options, plan_only: bool) -> Any:
+    kwargs = {**grid.ours(rank), **options.ours()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a placement fallback warns; the rows say what was served
         if plan_only:
@@ -118,19 +121,20 @@ def _short(message: str, limit: int = 160) -> str:
     return first if len(first) <= limit else first[: limit - 3] + "..."
 
 
-def compare_job(case: Case, tp: int, options: Options, model: Path, result: Mapping[str, Any]) -> list[Row]:
-    """The rows of one (case, tp, options) job, from vLLM's answer (:mod:`.record`)."""
+def compare_job(case: Case, grid: Grid, options: Options, model: Path, result: Mapping[str, Any]) -> list[Row]:
+    """The rows of one (case, grid, options) job, from vLLM's answer (:mod:`.record`)."""
     rows = []
-    row = lambda rank, outcome, detail="", listed=(): Row(case.name, tp, rank, options.label, outcome, detail, tuple(listed))
+    row = lambda rank, outcome, detail="", listed=(): Row(case.name, grid.tp, rank, options.label, outcome, detail, tuple(listed),
+                                                          grid=grid.label)
     refused = result.get("refused")
     ranks = result.get("ranks", {})
-    for rank in range(tp) if refused is None else [None]:
+    for rank in range(grid.size) if refused is None else [None]:
         vllm: dict[str, Any] = ranks.get(str(rank), {}) if rank is not None else {"status": "refused", "error": refused}
-        check_ranks = [rank] if rank is not None else list(range(tp))
+        check_ranks = [rank] if rank is not None else list(range(grid.size))
         errors = []  # functional_load must refuse on every rank vLLM refuses, before reading
         for r in check_ranks:
             try:
-                _ours(model, tp, r, options, plan_only=True)
+                _ours(model, grid, r, options, plan_only=True)
             except fl.LoadError as exc:
                 errors.append(f"{type(exc).__name__}: {_short(str(exc))}")
         ours_error = errors[0] if errors and len(errors) == len(check_ranks) else None
@@ -152,11 +156,11 @@ def compare_job(case: Case, tp: int, options: Options, model: Path, result: Mapp
             rows.append(row(rank, outcome, f"{case.we_refuse or 'vLLM loads'}; ours {ours_error}"))
             continue
         assert rank is not None
-        ours = _ours(model, tp, rank, options, plan_only=False)
+        ours = _ours(model, grid, rank, options, plan_only=False)
         saved = vllm["tensors"]
         vision: list[str] = []
         if options.text_only:  # vLLM's whole model, less the parameters text_only leaves out
-            saved, vision = _language_model(saved, model, tp, rank, options)
+            saved, vision = _language_model(saved, model, grid, rank, options)
         problems, listed = compare_state(ours, saved, vllm.get("aliases", {}))
         problems += vision
         placement = _placement_problem(ours, vllm.get("experts", {}))
@@ -187,12 +191,12 @@ def _about(model: Path, result: Mapping[str, Any]) -> tuple[str, str, str, str]:
     return str((config.get("architectures") or [""])[0]), spec, ", ".join(sorted(classes)), method
 
 
-def _language_model(saved: dict[str, Any], model: Path, tp: int, rank: int, options: Options) -> tuple[dict[str, Any], list[str]]:
+def _language_model(saved: dict[str, Any], model: Path, grid: Grid, rank: int, options: Options) -> tuple[dict[str, Any], list[str]]:
     """vLLM's rank state less the parameters that only our layout without text_only has (the
     vision tower and projector), and a problem for each of those vLLM does not have."""
-    kwargs = {k: v for k, v in options.ours().items() if k not in ("text_only", "load_format")}
-    whole = fl.layout(model, tp_size=tp, rank=rank, **kwargs).params
-    left_out = set(whole) - set(fl.layout(model, tp_size=tp, rank=rank, text_only=True, **kwargs).params)
+    kwargs = {**grid.ours(rank), **{k: v for k, v in options.ours().items() if k not in ("text_only", "load_format")}}
+    whole = fl.layout(model, **kwargs).params
+    left_out = set(whole) - set(fl.layout(model, text_only=True, **kwargs).params)
     problems = [f"{name}: text_only leaves it out, but vLLM has no such parameter" for name in sorted(left_out - set(saved))]
     return {name: t for name, t in saved.items() if name not in left_out}, problems
 
@@ -224,10 +228,10 @@ def run_parity(cases: Iterable[Case], work: Path, *, oracle: Oracle, progress: b
     start = time.perf_counter()
     rows = []
     for case in cases:
-        for tp in case.tps:
+        for grid in case.layouts:
             for options in case.options:
-                answer = answers[job_id(case, tp, options)]
-                rows.extend(compare_job(case, tp, options, models[case.name], answer))
+                answer = answers[job_id(case, grid, options)]
+                rows.extend(compare_job(case, grid, options, models[case.name], answer))
     if progress:
         print(f"functional_load compared {len(rows)} rows in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     return rows
@@ -236,7 +240,7 @@ def run_parity(cases: Iterable[Case], work: Path, *, oracle: Oracle, progress: b
 def summary(rows: list[Row]) -> str:
     states = [r for r in rows if r.rank is not None]
     identical = sum(r.outcome == IDENTICAL for r in states)
-    refused_configs = {(r.case, r.tp, r.options) for r in rows if r.outcome == REFUSED_BOTH}
+    refused_configs = {(r.case, r.tp, r.grid, r.options) for r in rows if r.outcome == REFUSED_BOTH}
     compared = sum(r.outcome in (IDENTICAL, DIFFERENT) for r in states)
     text = f"{identical} of {compared} rank states identical; {len(refused_configs)} configurations refused by both"
     for outcome, what in ((VLLM_CANNOT, "vLLM cannot load"), (WE_REFUSE, "functional_load refuses what vLLM loads")):

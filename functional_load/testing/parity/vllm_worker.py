@@ -41,15 +41,25 @@ from typing import Any
 
 
 class _TPProxy:
-    """The real TP group, reporting another size and rank to vLLM's weight loaders."""
+    """A real (one-process) group, reporting another size and rank to vLLM's model code: the
+    TP, EP and DP groups, and the PP group (whose first and last ranks decide which stage holds
+    the embeddings and the head)."""
 
     def __init__(self, real: Any, world_size: int, rank: int) -> None:
         self._real = real
         self.world_size = world_size
         self.rank_in_group = rank
+        self.is_first_rank = rank == 0
+        self.is_last_rank = rank == world_size - 1
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._real, name)
+
+
+def split_rank(job: dict[str, Any], flat: int) -> tuple[int, int, int]:
+    """``(dp_rank, pp_rank, tp_rank)`` of a job's flat rank ``(dp * pp_size + pp) * tp_size + tp``."""
+    tp, pp = job["tp"], job.get("pp", 1)
+    return flat // (tp * pp), flat // tp % pp, flat % tp
 
 
 def _free_port() -> int:
@@ -79,9 +89,16 @@ class _Capture(logging.Handler):
 def _engine_config(job: dict[str, Any]) -> Any:
     from vllm.engine.arg_utils import EngineArgs
 
+    if job.get("pp_partition"):  # read by vLLM's get_pp_indices when the model is built
+        os.environ["VLLM_PP_LAYER_PARTITION"] = job["pp_partition"]
+    else:
+        os.environ.pop("VLLM_PP_LAYER_PARTITION", None)
+
     kwargs: dict[str, Any] = {
         "model": job["model"],
         "tensor_parallel_size": job["tp"],
+        "pipeline_parallel_size": job.get("pp", 1),
+        "data_parallel_size": job.get("dp", 1),
         "enable_expert_parallel": bool(job.get("expert_parallel", False)),
         "skip_tokenizer_init": True,
         "enforce_eager": True,
@@ -145,22 +162,31 @@ def _dummy_platform(dummy: bool) -> Any:
         weight_utils.current_platform = real
 
 
-def _build_and_load(cfg: Any, rank: int, tp: int, byte: int | None) -> tuple[Any, dict[str, Any]]:
-    """vLLM's model for ``rank`` of ``tp``, every parameter filled with ``byte`` (or left as
-    created), then loaded by vLLM's own loader; also the parameters' values as vLLM created them."""
+def _build_and_load(cfg: Any, rank: tuple[int, int, int], byte: int | None) -> tuple[Any, dict[str, Any]]:
+    """vLLM's model for ``rank`` (``(dp_rank, pp_rank, tp_rank)``), every parameter filled with
+    ``byte`` (or left as created), then loaded by vLLM's own loader; also the parameters' values
+    as vLLM created them."""
     import torch
     import vllm.distributed.parallel_state as ps
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
     from vllm.model_executor.model_loader.dummy_loader import DummyModelLoader
     from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.model_executor.models import utils as model_utils
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    real, real_ep = ps._TP, ps._EP
-    ps._TP = _TPProxy(real, tp, rank)
-    if cfg.parallel_config.enable_expert_parallel:  # loaders that ask the EP group (gpt-oss) see the same rank
-        ps._EP = _TPProxy(real_ep, tp, rank)
+    pc = cfg.parallel_config
+    tp, pp, dp = pc.tensor_parallel_size, pc.pipeline_parallel_size, pc.data_parallel_size
+    real = ps._TP, ps._EP, ps._PP, ps._DP
+    ps._TP = _TPProxy(real[0], tp, rank[2])
+    if pc.enable_expert_parallel:  # loaders that ask the EP group (gpt-oss) see the flattened DP x TP rank
+        ps._EP = _TPProxy(real[1], dp * tp, rank[0] * tp + rank[2])
+    ps._PP = _TPProxy(real[2], pp, rank[1])
+    ps._DP = _TPProxy(real[3], dp, rank[0])
     try:
         cfg.compilation_config.static_forward_context.clear()
+        # vLLM caches each model's pipeline-missing layer names by id(model) (models/utils.py), for the one
+        # model of a worker process; here models come and go, and a new one may reuse a freed one's id
+        model_utils._model_to_pp_missing_layer_names.clear()
         dummy = cfg.load_config.load_format == "dummy"
         loader = DummyModelLoader(cfg.load_config) if dummy else DefaultModelLoader(cfg.load_config)
         with set_default_torch_dtype(cfg.model_config.dtype), torch.device("cpu"):
@@ -171,11 +197,11 @@ def _build_and_load(cfg: Any, rank: int, tp: int, byte: int | None) -> tuple[Any
         with _dummy_platform(dummy):
             loader.load_weights(model, cfg.model_config)
     finally:
-        ps._TP, ps._EP = real, real_ep
+        ps._TP, ps._EP, ps._PP, ps._DP = real
     return model, created
 
 
-def _load_rank(cfg: Any, rank: int, tp: int) -> dict[str, Any]:
+def _load_rank(cfg: Any, rank: tuple[int, int, int]) -> dict[str, Any]:
     """One rank as vLLM loads it, found with two loads of the rank (parameters, and the
     persistent buffers its loader writes: they hold checkpoint values too).
 
@@ -189,10 +215,10 @@ def _load_rank(cfg: Any, rank: int, tp: int) -> dict[str, Any]:
     parameter shows up as a difference."""
     import torch
 
-    model, _ = _build_and_load(cfg, rank, tp, None)
+    model, _ = _build_and_load(cfg, rank, None)
     result = {**_collect(model), "model_class": type(model).__name__}
     try:
-        filled, _ = _build_and_load(cfg, rank, tp, 0xFF)
+        filled, _ = _build_and_load(cfg, rank, 0xFF)
     except Exception:  # the fill changed what vLLM's loader decides: no element-level view
         return {**result, "initial": [], "sentinel": False}
     loaded, written = _persistent_buffers(model), _persistent_buffers(filled)
@@ -317,20 +343,25 @@ def run(jobs: list[dict[str, Any]], out_dir: Path) -> None:
             print(f"{job['id']}: config refused: {result['refused']['message'][:200]}", flush=True)
             continue
         with set_current_vllm_config(cfg):
-            if not initialized:
-                init_distributed_environment(
-                    world_size=1, rank=0, local_rank=0,
-                    distributed_init_method=f"tcp://127.0.0.1:{_free_port()}", backend="gloo",
-                )
-                initialized = True
-            destroy_model_parallel()  # the groups depend on the model (an EP group for MoE models)
-            initialize_model_parallel(1, 1)
-            for rank in job.get("ranks") or range(job["tp"]):
+            dp = cfg.parallel_config.data_parallel_size  # one process: real groups of one, proxies report the sizes
+            cfg.parallel_config.data_parallel_size = 1
+            try:
+                if not initialized:
+                    init_distributed_environment(
+                        world_size=1, rank=0, local_rank=0,
+                        distributed_init_method=f"tcp://127.0.0.1:{_free_port()}", backend="gloo",
+                    )
+                    initialized = True
+                destroy_model_parallel()  # the groups depend on the model (an EP group for MoE models)
+                initialize_model_parallel(1, 1)
+            finally:
+                cfg.parallel_config.data_parallel_size = dp
+            for rank in job.get("ranks") or range(job["tp"] * job.get("pp", 1) * job.get("dp", 1)):
                 capture.messages.clear()
                 entry: dict[str, Any] = {}
                 try:
                     with torch.no_grad():
-                        loaded = _load_rank(cfg, rank, job["tp"])
+                        loaded = _load_rank(cfg, split_rank(job, rank))
                 except Exception as exc:
                     entry = {"status": "refused", "error": _error(exc)}
                 else:
