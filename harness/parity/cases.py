@@ -196,15 +196,11 @@ def _pipeline(cases: tuple[Case, ...]) -> tuple[Case, ...]:
         "hy_v3": "vLLM's model needs an MoE layer on every stage (RuntimeError: No MoE layer found)",
         "lfm2_moe": "vLLM's model needs an MoE layer on every stage (RuntimeError: No Lfm2MoeSparseMoeBlock layer found)",
         "qwen3vlmoe": "vLLM's model needs an MoE layer on every stage (a third stage of 2 layers holds none)",
-        "longcat_flash": "vLLM's loader fails on a stage without layers (KeyError: 'embed_tokens.weight')",
         **{arch: "vLLM's MoE model needs an MoE layer on every stage; a third stage of 2 layers holds none (No ... layer found)"
            for arch in ("mixtral", "qwen3_moe", "qwen3_5_moe", "qwen3_next", "qwen3_5_moe_vl")},
-        "llama4_text": "vLLM's Llama 4 loader fails on the last stage (KeyError: 'embed_tokens.weight')",
         "granitemoehybrid": "vLLM's loader fails on a stage without the layer (KeyError: 'layers.1.block_sparse_moe.gate.weight')",
-        "llama4": "vLLM's Llama 4 loader fails on a stage without the embedding (KeyError: 'embed_tokens.weight')",
         "ernie4_5_moe": "vLLM fails to tie the head on a stage without it (AttributeError: 'PPMissingLayer' ... 'tie_weights')",
     }
-    dp_cannot = {"llama4": "vLLM leaves the language model's layers unloaded on some ranks (ValueError: weights not initialized)"}
     refuse = {"gemma4_text": "Gemma 4 stages are not planned (vLLM refuses every stage but the first: KV sharing across stages)",
               "gemma4": "Gemma 4 stages are not planned (vLLM refuses every stage but the first: KV sharing across stages)"}
     sequence_parallel = "dp x tp 2 with expert parallelism: vLLM's sequence-parallel MoE is not planned yet (refused with the reason)"
@@ -218,7 +214,7 @@ def _pipeline(cases: tuple[Case, ...]) -> tuple[Case, ...]:
                         vllm_cannot=why, we_refuse=refuse.get(c.arch, c.we_refuse)))
         if c.options == MOE:  # wide EP (dp 4 x tp 1), and dp 2 x tp 2
             out.append(Case(f"{c.name}-dp", c.arch, c.build, tps=(), grids=(Grid(1, dp=4), Grid(2, dp=2)), options=MOE,
-                            multimodal=c.multimodal, vllm_cannot=dp_cannot.get(c.arch, c.vllm_cannot), we_refuse=sequence_parallel))
+                            multimodal=c.multimodal, vllm_cannot=c.vllm_cannot, we_refuse=sequence_parallel))
     splits = (Grid(1, 2), Grid(1, 3), Grid(2, 2), Grid(1, 4), Grid(1, 3, partition="1,1,3"), Grid(2, 2, partition="4,1"))
     out.append(Case("llama-pp-splits", "llama", {"kv_heads": 2, "num_hidden_layers": 5}, tps=(), grids=splits,
                     note="5 layers: vLLM's uneven splits [3, 2], [2, 2, 1], [1, 1, 2, 1] and custom partitions"))
