@@ -26,6 +26,7 @@ from .io.copies import fill, fresh_array
 from .io.execute import show_progress
 from .layout.axes import Range
 from .layout.build import build_layout
+from .layout.parallel import Parallel
 from .model.config import model_dtype, read_config
 from .model.spec import spec_for_config
 from .model.targetmap import Drop, Rule, TargetMap, as_target_map
@@ -180,8 +181,8 @@ def target_leaves(tree: object, mesh: Mesh | None = None) -> tuple[list[Leaf], P
 
 def _not_for_targets(opts: LoadOptions) -> None:
     default = LoadOptions()
-    wrong = [f for f in ("dtype", "quantization", "expert_parallel", "expert_placement", "num_redundant_experts")
-             if getattr(opts, f) != getattr(default, f)]
+    wrong = [f for f in ("dtype", "quantization", "expert_parallel", "expert_placement", "num_redundant_experts", "pp_size", "pp_rank",
+                         "dp_size", "dp_rank", "pp_layer_partition") if getattr(opts, f) != getattr(default, f)]
     if wrong:
         raise ConfigError(
             f"option(s) {wrong} do not apply to load_jax(target=...): the target's leaves give dtypes and shardings, the map the layout"
@@ -197,7 +198,7 @@ def spec_drops(config: JsonObject, opts: LoadOptions) -> tuple[Drop, ...]:
 
     try:
         spec = opts.arch_spec() or spec_for_config(config)
-        layout = build_layout(config, spec, opts.parallel(1, 0), model_dtype(None, config), parse_quant_config(config),
+        layout = build_layout(config, spec, Parallel(), model_dtype(None, config), parse_quant_config(config),
                               report=False, text_only=opts.text_only)
     except ConfigError:
         return ()  # no spec for this architecture: only the map's drops apply

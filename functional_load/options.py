@@ -136,7 +136,8 @@ class LoadOptions:
 
 
 # what other loaders call the entry points' own arguments
-_ARGUMENT_NAMES = {"tp": "tp_size", "tensor_parallel_size": "tp_size", "world_size": "tp_size", "tp_rank": "rank"}
+_ARGUMENT_NAMES = {"tp": "tp_size", "tensor_parallel_size": "tp_size", "world_size": "tp_size", "tp_rank": "rank",
+                   "pipeline_parallel_size": "pp_size", "data_parallel_size": "dp_size", "data_parallel_rank": "dp_rank"}
 
 
 def _closest(name: str, fields: list[str]) -> str:

@@ -226,3 +226,9 @@ def test_pieces_read_only_what_they_need(case: tuple[Arrangement, np.ndarray], d
     read = sum(math.prod(r.src[1] - r.src[0] for r in reads) for _, reads in arrangement.boxes(tuple(box)) if reads[0] is not None)
     distinct = math.prod(b - a for a, b in box)
     assert read <= distinct
+
+
+def test_rotary_on_a_stacked_axis_is_refused() -> None:
+    """A stacked axis enumerates source tensors (layers, experts): rotary permutes the elements of one tensor's axis."""
+    with pytest.raises(ConfigError, match="'layer' enumerates source tensors"):
+        Arrangement((Axis("layer", 2, rotary="halves"), Axis("d", 4)), ((1,),), ((0,), (1,)), 1)

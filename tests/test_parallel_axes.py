@@ -1,6 +1,6 @@
 """The rank value over every parallel axis: vLLM's fused-MoE groups from (tp, dp, ep), checked
 against the worked examples of vLLM 0.32's ``FusedMoEParallelConfig.make`` docstring; today's
-``Parallel(tp_size, rank)`` calls unchanged; pipeline and data-parallel layouts refused until planned."""
+``Parallel(tp_size, rank)`` calls unchanged; the one data-parallel layout not planned yet is refused."""
 
 from __future__ import annotations
 

@@ -74,3 +74,26 @@ def test_models_vllm_cannot_pipeline_are_refused_in_its_words(tiny_checkpoint) -
     with pytest.raises(fl.ShardingError, match="Pipeline parallelism is not supported for this model"):
         fl.layout(path, pp_size=2, pp_rank=0)
     assert fl.layout(path).params, "pp_size=1 loads"
+
+
+def test_a_pipeline_table_names_modules_of_its_spec() -> None:
+    from functional_load.model.spec import find_spec, parse_spec
+
+    data = {"name": "x", "layers": "num_hidden_layers", "modules": {"model.norm": {"kind": "replicated", "params": {"weight": ["8"]}}},
+            "pipeline": {"first": ["model.embed_token"], "last": ["model.norm"]}}
+    with pytest.raises(fl.ConfigError, match=r"\[pipeline\] names modules the spec does not have: \['model.embed_token'\]"):
+        parse_spec(data, "x.toml")
+    assert find_spec("gpt_neox").pipeline.first == ("model.embed_in",)
+
+
+def test_a_stage_is_neither_saved_nor_a_target_tree_option(tiny_checkpoint, tmp_path) -> None:
+    """A pre-sharded save holds a whole layout, and a target tree has no pipeline axis yet: both
+    refuse a stage (or replica) rather than save or plan a part of the model as if it were all."""
+    path = tiny_checkpoint("llama", kv_heads=2)
+    with pytest.raises(fl.ConfigError, match="one pipeline stage or data-parallel replica"):
+        fl.save_sharded(path, tmp_path / "out", 1, pp_size=2, pp_rank=0)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(fl.ConfigError, match=r"\['pp_size'\] do not apply to load_jax\(target=...\)"):
+        fl.load_jax(path, target={}, mapping={}, pp_size=2)
+    with pytest.raises(fl.ConfigError, match="did you mean pp_size"):
+        fl.load(path, pipeline_parallel_size=2)

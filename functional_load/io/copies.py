@@ -35,7 +35,7 @@ _STAGING_BYTES = 32 << 20  # a thread keeps its staging buffer up to this size
 _stage = threading.local()
 
 
-def _index(box: Box) -> tuple[slice, ...]:
+def index(box: Box) -> tuple[slice, ...]:
     return tuple(slice(a, b) for a, b in box)
 
 
@@ -53,7 +53,7 @@ def direct_bytes(tensors: Tensors, array: torch.Tensor | np.ndarray, copy: Copy)
     them (a plain copy into a contiguous slot of the source's dtype), else None."""
     if not copy.plain:
         return None
-    region = array[_index(copy.dst)]
+    region = array[index(copy.dst)]
     name = torch_name(tensors[copy.tensor].dtype)
     if isinstance(region, np.ndarray):
         same = region.flags.c_contiguous and region.dtype == to_numpy(name)
@@ -69,30 +69,29 @@ def copy_into(tensors: Tensors, array: Array, copy: Copy, reader: Reader) -> Non
     if direct is not None:
         reader.read_into(info, copy.src, direct)
         return
-    region = array[_index(copy.dst)]
+    region = array[index(copy.dst)]
     if copy.dequantize is not None:
         block = dequantized(tensors, copy, reader)
     else:
-        raw = _staging(box_volume(copy.src) * np.dtype(to_numpy(torch_name(info.dtype))).itemsize)
+        stored = np.dtype(to_numpy(torch_name(info.dtype)))
+        raw = _staging(box_volume(copy.src) * stored.itemsize)
         if copy.view:
             reader.read_view(info, copy.view, copy.src, as_bytes(raw))
         else:
             reader.read_into(info, copy.src, as_bytes(raw))
-        block = raw.view(to_numpy(torch_name(info.dtype))).reshape(copy.shape)
+        block = raw.view(stored).reshape(copy.shape)
     if isinstance(region, np.ndarray):
         np.copyto(region, copy.arrange(block, region.shape), casting="unsafe")
     else:
-        region.copy_(copy.arrange(_torch_view(block, info), tuple(region.shape)))
+        region.copy_(copy.arrange(torch_view(block), tuple(region.shape)))
 
 
-def _torch_view(block: np.ndarray, info: TensorInfo) -> torch.Tensor:
-    """A numpy block as a torch tensor over the same memory (bfloat16 and float8 included)."""
+def torch_view(array: np.ndarray) -> torch.Tensor:
+    """A C-contiguous numpy array as a torch tensor over the same memory (bfloat16 and float8
+    included, which ``torch.from_numpy`` refuses)."""
     import torch
 
-    if block.dtype == np.float32:
-        return torch.from_numpy(block)
-    flat = torch.from_numpy(np.ascontiguousarray(block).reshape(-1).view(np.uint8))
-    return flat.view(to_torch(torch_name(info.dtype))).reshape(block.shape)
+    return torch.from_numpy(array.reshape(-1).view(np.uint8)).view(to_torch(array.dtype.name)).view(array.shape)
 
 
 def dequantized(tensors: Tensors, copy: Copy, reader: Reader) -> np.ndarray:
@@ -125,7 +124,7 @@ def fill(tensors: Tensors, array: np.ndarray, destination: Destination, reader: 
     tree), else on the numpy array itself: the same operations, the same values."""
     target = _torch_over(array)
     for box in destination.zeros:
-        array[_index(box)] = 0
+        array[index(box)] = 0
     for copy in destination.copies:
         if target is None:
             copy_into(tensors, array, copy, reader)
@@ -156,10 +155,10 @@ def fresh_array(shape: tuple[int, ...], dtype: npt.DTypeLike) -> np.ndarray:
 def _torch_over(array: np.ndarray) -> torch.Tensor | None:
     """A torch tensor over ``array``'s memory (any dtype torch has), or None without torch."""
     try:
-        import torch
+        import torch  # noqa: F401
     except ImportError:
         return None
-    return torch.from_numpy(array.reshape(-1).view(np.uint8)).view(to_torch(array.dtype.name)).view(array.shape)
+    return torch_view(array)
 
 
 def _staging(nbytes: int) -> np.ndarray:

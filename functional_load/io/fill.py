@@ -1,9 +1,9 @@
-"""Filling one rank's parameters: the arena they live in, and one planned copy at a time.
+"""A rank's parameters: the arena they live in, what is filled before any copy, and the checks.
 
 Every parameter of a rank lives in one 64-byte-aligned arena (so DLPack hands them to JAX
-without copies). A copy whose destination slot is contiguous and of the checkpoint's dtype is
-read straight into it; a cast or transpose goes through one box-sized temporary. Scales are
-checked as they are read, and parts of a fused layer that must be identical are compared.
+without copies). Defaults, vocabulary padding and dummy values are filled first; the copies are
+:mod:`.copies`'; scales are checked as they are read, and parts of a fused layer that must be
+identical are compared.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 from ..dtypes import to_torch, torch_itemsize, torch_name
 from ..errors import CheckpointError
 from ..layout.param import ParamSpec
-from ..layout.segments import Box, box_volume, full_box
+from ..layout.segments import box_volume, full_box
 from ..plan.plan import ParamPlan, Plan
-from .copies import as_bytes, copy_into, fresh_memory
+from .copies import as_bytes, copy_into, fresh_memory, index
 from .dummy import initialize_dummy
 from .reader import Reader
 
@@ -23,10 +23,6 @@ if TYPE_CHECKING:
     import torch
 
 ALIGN = 64
-
-
-def _index(box: Box) -> tuple[slice, ...]:
-    return tuple(slice(a, b) for a, b in box)
 
 
 def allocate(specs: list[ParamSpec]) -> dict[str, torch.Tensor]:
@@ -63,7 +59,7 @@ def prepare(param: ParamPlan, tensor: torch.Tensor) -> None:
     if param.fill is not None:
         tensor.fill_(param.fill)
     for box in param.zeros:
-        tensor[_index(box)].zero_()
+        tensor[index(box)].zero_()
 
 
 def verify_shared(plan: Plan, param: ParamPlan, tensor: torch.Tensor, reader: Reader) -> None:
@@ -74,7 +70,7 @@ def verify_shared(plan: Plan, param: ParamPlan, tensor: torch.Tensor, reader: Re
         info = plan.tensors[check.tensor]
         tmp = torch.empty(tuple(b - a for a, b in check.src), dtype=to_torch(torch_name(info.dtype)))
         reader.read_into(info, check.src, as_bytes(tmp))
-        if not torch.equal(tmp.to(tensor.dtype).reshape(-1), tensor[_index(check.dst)].reshape(-1)):
+        if not torch.equal(tmp.to(tensor.dtype).reshape(-1), tensor[index(check.dst)].reshape(-1)):
             first = next((c.tensor for c in param.copies if c.dst == check.dst), "?")
             raise CheckpointError(
                 f"{param.spec.name}: checkpoint tensors {first!r} and {check.tensor!r} (in {info.file.name}) must be "

@@ -119,6 +119,12 @@ def parse_spec(data: JsonObject, source: str = "<spec>") -> ArchSpec:
         if problems := [p for m in modules for p in check_module(m.pattern, m.kind, m.fields)]:
             raise ConfigError(f"{source}: {len(problems)} problems in its modules:\n  " + "\n  ".join(problems))
         tie = TieSpec(**data["tie"]) if "tie" in data else None
+        table = data.get("pipeline", {})
+        pipeline = PipelineSpec(**table)
+        named = [str(p) for key in ("first", "last") for p in table.get(key, ())]
+        if absent := sorted(set(named) - {m.pattern for m in modules}):
+            raise ConfigError(f"{source}: [pipeline] names modules the spec does not have: {absent}; its modules: "
+                              f"{[m.pattern for m in modules if '{layer}' not in m.pattern]}")
         return ArchSpec(
             name=data["name"],
             architectures=tuple(data.get("architectures", ())),
@@ -131,7 +137,7 @@ def parse_spec(data: JsonObject, source: str = "<spec>") -> ArchSpec:
             drops=tuple(DropSpec(**d) for d in data.get("drop", [])),
             prefix=str(data.get("prefix", "")),
             refusals=tuple(RefuseSpec(**r) for r in data.get("refuse", [])),
-            pipeline=PipelineSpec(**data.get("pipeline", {})),
+            pipeline=pipeline,
         )
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, ConfigError):

@@ -171,6 +171,12 @@ def _check_saveable(state: LoadedState, plan: Plan) -> None:
         raise ConfigError("save_sharded saves checkpoint-layout loads only (target='checkpoint')")
     if plan.dummy:
         raise ConfigError("save_sharded saves a checkpoint's tensors; a load_format='dummy' load has none to save")
+    if plan.parallel.pp_size > 1 or plan.parallel.dp_size > 1:
+        raise ConfigError(
+            f"save_sharded saves every tensor rank of one whole layout; pp_size={plan.parallel.pp_size}, "
+            f"dp_size={plan.parallel.dp_size} is one pipeline stage or data-parallel replica, and saves per stage are not "
+            f"built yet: save with pp_size=1 and dp_size=1 (a reload at pp_size > 1 reads only its stage's tensors)"
+        )
 
 
 def _write_rank_file(state: LoadedState, plan: Plan, path: Path, save_file: SaveFile, written: list[Path]) -> dict[str, object]:

@@ -3,7 +3,7 @@
 Both planners emit this one form. ``make_plan`` compiles vLLM's slice descriptors (a slice, a
 transposed one, repeated refined scale cells, Llama 4's rotary rows, Mamba's ``-exp``) for a
 rank's tensors; ``plan_target`` compiles a target map's einops rearrangement for any box of a
-JAX leaf (a device's shard). The executor (:mod:`functional_load.io.fill`) reads ``src`` and calls
+JAX leaf (a device's shard). The executor (:mod:`functional_load.io.copies`) reads ``src`` and calls
 :meth:`Copy.arrange`; a plain copy (no operation) is read straight into its destination.
 
 A block is read as a box over the source's *axes*: each stored dimension split as ``view`` says
@@ -94,7 +94,6 @@ class Copy:
         if isinstance(block, np.ndarray):
             return _arrange(self, _NUMPY, block, shape)
         return _arrange(self, _TORCH, block, shape)
-
 
     def split(self, element_bytes: int, chunk: int) -> list[Copy]:
         """This copy cut along its first axis into pieces of about ``chunk`` bytes, where that
