@@ -1,5 +1,5 @@
 """``functional-load``: inspect a checkpoint, print a rank's plan, load a rank to safetensors,
-or verify every rank of a tp size against the checkpoint.
+verify every rank of a tp size against the checkpoint, or pre-check every rank of a multi-node layout.
 
 Errors for bad input print as one message (no traceback) and exit with status 2.
 """
@@ -28,6 +28,7 @@ from .model.config import model_dtype, read_config
 from .model.spec import spec_for_config
 from .options import LoadOptions
 from .output.save import save_safetensors
+from .precheck import precheck, torchrun_node
 from .verify import verify_ranks
 from .vllm_target import VLLM_VERSION
 
@@ -109,6 +110,14 @@ def _verify(args: argparse.Namespace) -> None:
         raise SystemExit(1)
 
 
+def _precheck(args: argparse.Namespace) -> None:
+    node = args.node
+    if node is None and (node := torchrun_node(os.environ)) is not None and os.environ.get("LOCAL_RANK", "0") != "0":
+        return  # under torchrun: the node's first process plans the node's ranks
+    result = precheck(args.model_dir, tp_size=args.tp, ranks_per_node=args.ranks_per_node, node=node, options=_options(args))
+    print(json.dumps(result.to_json(), indent=1) if args.json else result.table())
+
+
 def _check_spec(args: argparse.Namespace) -> None:
     if importlib.util.find_spec("transformers") is None:
         raise ConfigError("check-spec writes tiny checkpoints with transformers, which is not installed: "
@@ -144,14 +153,19 @@ def _bench(args: argparse.Namespace) -> None:
 
 def _rank_arguments(p: argparse.ArgumentParser) -> None:
     """The rank and how it is loaded: the parallel axes, dtype, quantization, experts."""
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    _layout_arguments(p)
     p.add_argument("--rank", type=int, default=0, help="tensor-parallel rank (default 0)")
-    p.add_argument("--pp-size", type=int, default=1, help="pipeline stages (default 1)")
     p.add_argument("--pp-rank", type=int, default=0, help="pipeline stage of this rank (default 0)")
+    p.add_argument("--dp-rank", type=int, default=0, help="data-parallel rank (default 0)")
+
+
+def _layout_arguments(p: argparse.ArgumentParser) -> None:
+    """The layout's sizes and how its ranks are loaded: dtype, quantization, experts."""
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    p.add_argument("--pp-size", type=int, default=1, help="pipeline stages (default 1)")
     p.add_argument("--pp-layer-partition", default=None, help="decoder layers per stage, e.g. 4,4,3 (default: vLLM's split, "
                    "or VLLM_PP_LAYER_PARTITION)")
     p.add_argument("--dp-size", type=int, default=1, help="data-parallel replicas (default 1)")
-    p.add_argument("--dp-rank", type=int, default=0, help="data-parallel rank (default 0)")
     p.add_argument("--dtype", default=None, help="destination dtype (default: the config's)")
     p.add_argument("--quantization", default=None, help="quantize an unquantized checkpoint while loading: fp8 | fp8_block")
     p.add_argument("--expert-parallel", action="store_true", help="spread whole MoE experts over the ranks")
@@ -189,6 +203,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_load)
     p = add("verify", "plan and load every rank of --tp, and check each rank's reads against its plan and the checkpoint")
     p.set_defaults(run=_verify)
+    p = add("precheck", "plan every rank of a tp x pp x dp layout (headers only) and sum each node's bytes", rank=False)
+    _layout_arguments(p)
+    p.add_argument("--ranks-per-node", type=int, default=8, help="consecutive global ranks per node (default 8)")
+    p.add_argument("--node", type=int, default=None, help="plan this node's ranks only (default: every node; under torchrun, "
+                   "its GROUP_RANK)")
+    p.add_argument("--json", action="store_true", help="print the ranks and node sums as JSON")
+    p.set_defaults(run=_precheck)
     p = sub.add_parser(
         "check-spec", help="prove a spec: a tiny transformers checkpoint at every tp, against real vLLM and a forward",
     )
