@@ -26,7 +26,7 @@ CELL_TIMEOUT_S = 300
 
 def test_notebooks_exist() -> None:
     names = {path.name for path in NOTEBOOKS}
-    assert {"tp_layouts.ipynb", "moe_and_quant_layouts.ipynb", "jax_serving.ipynb"} <= names, names
+    assert {"tp_layouts.ipynb", "moe_and_quant_layouts.ipynb", "jax_serving.ipynb", "multinode_layouts.ipynb"} <= names, names
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[path.stem for path in NOTEBOOKS])
