@@ -1,12 +1,11 @@
 """The rank value over every parallel axis: vLLM's fused-MoE groups from (tp, dp, ep), checked
 against the worked examples of vLLM 0.32's ``FusedMoEParallelConfig.make`` docstring; today's
-``Parallel(tp_size, rank)`` calls unchanged; the one data-parallel layout not planned yet is refused."""
+``Parallel(tp_size, rank)`` calls unchanged; vLLM's sequence-parallel MoE under DP x TP with EP."""
 
 from __future__ import annotations
 
 import pytest
 
-import functional_load as fl
 from functional_load.errors import ShardingError
 from functional_load.layout.parallel import Parallel
 
@@ -52,17 +51,26 @@ def test_axes_are_checked(kwargs: dict, message: str) -> None:
         Parallel(2, 0, **kwargs)
 
 
-def test_sequence_parallel_moe_is_refused_until_planned(tiny_checkpoint) -> None:
-    """DP x TP > 1 with expert parallelism (vLLM's sequence-parallel MoE) is refused with the fix;
-    pipeline stages, DP without EP and wide EP (tp 1 per replica) are planned (judged by the parity harness)."""
+@pytest.mark.parametrize(("tp", "dp", "ep", "replicated"), [
+    (2, 2, True, True),  # vLLM's sequence-parallel MoE: the shared expert whole on every rank
+    (2, 2, False, False), (2, 1, True, False), (1, 4, True, False),  # split as usual (tp 1: nothing to split)
+])
+def test_sequence_parallel_moe_replicates_the_shared_expert(tiny_checkpoint, tp: int, dp: int, ep: bool, replicated: bool) -> None:
+    """DP x TP > 1 with expert parallelism: vLLM runs the MoE layers sequence-parallel
+    (``use_sequence_parallel_moe``) and DeepSeek's shared experts are ReplicatedLinear there
+    (``disable_tp=is_sequence_parallel``); everything else keeps its tensor-parallel split
+    (judged for every MoE family by the parity harness's -dp cases)."""
     from functional_load.layout.build import build_layout
     from functional_load.model.config import read_config
     from functional_load.model.spec import spec_for_config
 
-    path = tiny_checkpoint("qwen3_moe", kv_heads=2)
-    config = read_config(path)
-    with pytest.raises(ShardingError, match=r"does not plan it yet.*tp_size=1 per data-parallel rank"):
-        build_layout(config, spec_for_config(config), Parallel(2, 0, True, dp_size=2), "bfloat16")
-    for parallel in (Parallel(2, 0, pp_size=2), Parallel(2, 0, dp_size=2), Parallel(1, 0, True, dp_size=4, dp_rank=3)):
-        assert build_layout(config, spec_for_config(config), parallel, "bfloat16").params
-    assert fl.plan(path, tp_size=2, rank=1).parallel == Parallel(2, 1)
+    config = read_config(tiny_checkpoint("deepseek_v3"))
+    for rank in range(tp * dp):
+        parallel = Parallel(tp, rank % tp, ep, dp_size=dp, dp_rank=rank // tp)
+        assert parallel.sequence_parallel_moe is replicated
+        layout = build_layout(config, spec_for_config(config), parallel, "bfloat16")
+        shared = [p for n, p in layout.params.items() if ".shared_experts." in n]
+        attention = [p for n, p in layout.params.items() if n.endswith("o_proj.weight")]
+        assert shared and attention
+        assert all((p.local_shape == p.shape) is (replicated or tp == 1) for p in shared), (rank, parallel)
+        assert all((p.local_shape == p.shape) is (tp == 1) for p in attention), (rank, parallel)

@@ -94,10 +94,13 @@ def test_only_the_ranks_that_fail_are_named(llama5: Path, tmp_path: Path, capsys
     assert "lm_head.weight" in err and "global rank 0" not in err and "global rank 1" not in err
 
 
-def test_dp_x_tp_with_expert_parallelism_is_refused_with_the_fix(tiny_checkpoint, capsys) -> None:
+def test_dp_x_tp_with_expert_parallelism_plans_every_rank(tiny_checkpoint, capsys) -> None:
+    """DP 2 x TP 2 with EP (vLLM's sequence-parallel MoE) and wide EP: every rank plans, each with its own experts."""
     moe = tiny_checkpoint("qwen3_moe", **checkpoint_options("qwen3_moe", False))
-    status, _, err = run(capsys, moe, "--tp", 2, "--dp-size", 2, "--expert-parallel")
-    assert status == 2 and "Load with tp_size=1 per data-parallel rank (wide expert parallelism" in err, err
+    status, out, err = run(capsys, moe, "--tp", 2, "--dp-size", 2, "--expert-parallel", "--json")
+    assert status == 0, err
+    ranks = json.loads(out)["ranks"]
+    assert [(r["dp_rank"], r["tp_rank"]) for r in ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     status, out, _ = run(capsys, moe, "--tp", 1, "--dp-size", 4, "--expert-parallel", "--json")
     assert status == 0 and [r["dp_rank"] for r in json.loads(out)["ranks"]] == [0, 1, 2, 3]
 

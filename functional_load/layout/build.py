@@ -172,7 +172,7 @@ def build_layout(
     :mod:`functional_load.quant`) decides each linear's quantized tensors; ``text_only`` leaves
     out the ``vision = true`` modules (their tensors are dropped, with the reason). Divisibility
     problems of all modules are collected and raised together as one ShardingError."""
-    scope = Scope(config, spec.dims)
+    scope = Scope(config, spec.dims, extra={"sequence_parallel_moe": parallel.sequence_parallel_moe})
     stages = tuple(_stage_table(stage, scope) for stage in spec.stages if stage.layers is not None or evaluate(stage.when, scope))
     schemes: dict[str, Scheme] = {}
     num_layers = _num_layers(spec, scope)
@@ -285,17 +285,7 @@ class _Fields(dict[str, Value]):
 
 
 def _refusals(spec: ArchSpec, scope: Scope, parallel: Parallel) -> None:
-    """The configurations vLLM refuses for this architecture, refused in its words; and the one
-    vLLM serves differently that is not planned yet: data parallelism with expert parallelism
-    and tp_size > 1, where vLLM runs the MoE layers sequence-parallel (its default all2all
-    backend), which changes other layers' layouts model by model (shared experts replicated)."""
-    if parallel.dp_size > 1 and parallel.expert_parallel and parallel.tp_size > 1 and any(m.kind == "experts" for m in spec.modules):
-        raise ShardingError(
-            f"{spec.name}: dp_size={parallel.dp_size} x tp_size={parallel.tp_size} with expert_parallel=True: vLLM {VLLM_VERSION} "
-            f"runs the MoE layers sequence-parallel there (ParallelConfig.use_sequence_parallel_moe), which replicates shared "
-            f"experts and changes other layouts per model; functional_load does not plan it yet. Load with tp_size=1 per "
-            f"data-parallel rank (wide expert parallelism, dp_size x 1), or without expert_parallel"
-        )
+    """The configurations vLLM refuses for this architecture, refused in its words."""
     values = scope.with_values(tp_size=parallel.tp_size, expert_parallel=parallel.expert_parallel)
     for refusal in spec.refusals:
         if evaluate(refusal.when, values):

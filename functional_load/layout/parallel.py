@@ -85,6 +85,11 @@ class Parallel:
             raise ShardingError("num_redundant_experts needs expert_parallel=True (redundant experts are an EP feature)")
 
     @property
+    def flat_rank(self) -> int:
+        """vLLM's global rank of this worker: ``(dp_rank * pp_size + pp_rank) * tp_size + rank``."""
+        return (self.dp_rank * self.pp_size + self.pp_rank) * self.tp_size + self.rank
+
+    @property
     def moe_size(self) -> int:
         """The ranks fused MoE experts are spread or split over: ``dp_size x tp_size``."""
         return self.dp_size * self.tp_size
@@ -103,6 +108,13 @@ class Parallel:
         return self.moe_rank if self.expert_parallel else 0
 
     @property
+    def sequence_parallel_moe(self) -> bool:
+        """vLLM runs the MoE layers sequence-parallel (``ParallelConfig.use_sequence_parallel_moe``
+        with its default all2all backend): expert parallelism over ``dp_size x tp_size`` with both
+        above 1. Models change other layers then (shared experts replicated: spec expressions see it)."""
+        return self.expert_parallel and self.tp_size > 1 and self.dp_size > 1
+
+    @property
     def expert_tp(self) -> Parallel:
         """The tensor-parallel split inside each expert: none under expert parallelism."""
         return Parallel() if self.expert_parallel else Parallel(self.moe_size, self.moe_rank)
@@ -110,6 +122,12 @@ class Parallel:
     def expert_slots(self, num_experts: int) -> tuple[int, ...]:
         """The logical expert held in each local expert slot of this rank."""
         return local_expert_slots(num_experts, self.ep_size, self.ep_rank, self.expert_placement, self.num_redundant_experts)
+
+    def describe(self) -> str:
+        """``rank 1/2 (pipeline stage 1 of 2, data-parallel rank 0 of 4)``: the tensor rank, and the other axes in use."""
+        parts = [f"pipeline stage {self.pp_rank} of {self.pp_size}"] if self.pp_size > 1 else []
+        parts += [f"data-parallel rank {self.dp_rank} of {self.dp_size}"] if self.dp_size > 1 else []
+        return f"rank {self.rank}/{self.tp_size}" + (f" ({', '.join(parts)})" if parts else "")
 
     def to_json(self) -> dict[str, object]:
         out: dict[str, object] = {

@@ -170,18 +170,11 @@ class Plan:
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
         lines.append(
-            f"rank {self.parallel.rank}/{self.parallel.tp_size}{_axes(self.parallel)}: {len(self.params)} parameters, "
+            f"{self.parallel.describe()}: {len(self.params)} parameters, "
             f"{self.bytes_to_read:,} bytes to read, {self.output_bytes:,} bytes out, {len(self.dropped)} tensors dropped"
             + (" (dummy weights: no checkpoint is read)" if self.dummy else "")
         )
         return "\n".join(lines)
-
-
-def _axes(parallel: Parallel) -> str:
-    """`` (pipeline stage 1 of 2, data-parallel rank 0 of 4)`` where those axes are used."""
-    parts = [f"pipeline stage {parallel.pp_rank} of {parallel.pp_size}"] if parallel.pp_size > 1 else []
-    parts += [f"data-parallel rank {parallel.dp_rank} of {parallel.dp_size}"] if parallel.dp_size > 1 else []
-    return f" ({', '.join(parts)})" if parts else ""
 
 
 def _ops(copy: Copy) -> str:

@@ -203,7 +203,6 @@ def _pipeline(cases: tuple[Case, ...]) -> tuple[Case, ...]:
     }
     refuse = {"gemma4_text": "Gemma 4 stages are not planned (vLLM refuses every stage but the first: KV sharing across stages)",
               "gemma4": "Gemma 4 stages are not planned (vLLM refuses every stage but the first: KV sharing across stages)"}
-    sequence_parallel = "dp x tp 2 with expert parallelism: vLLM's sequence-parallel MoE is not planned yet (refused with the reason)"
     for c in cases:
         if c.arch is None or c.arch in seen or c.mistral_copy or c.names or c.arch not in ARCHS:
             continue
@@ -212,9 +211,10 @@ def _pipeline(cases: tuple[Case, ...]) -> tuple[Case, ...]:
         why = next((w for key, w in cannot.items() if c.arch == key or c.name.startswith(key)), c.vllm_cannot)
         out.append(Case(f"{c.name}-pp", c.arch, c.build, tps=(), grids=grids, options=(c.options[0],), multimodal=c.multimodal,
                         vllm_cannot=why, we_refuse=refuse.get(c.arch, c.we_refuse)))
-        if c.options == MOE:  # wide EP (dp 4 x tp 1), and dp 2 x tp 2
-            out.append(Case(f"{c.name}-dp", c.arch, c.build, tps=(), grids=(Grid(1, dp=4), Grid(2, dp=2)), options=MOE,
-                            multimodal=c.multimodal, vllm_cannot=c.vllm_cannot, we_refuse=sequence_parallel))
+        served = tuple(o for o in c.options if not o.text_only)
+        if any(o.expert_parallel for o in served):  # each MoE family: wide EP (dp 4 x tp 1), and dp 2 x tp 2
+            out.append(Case(f"{c.name}-dp", c.arch, c.build, tps=(), grids=(Grid(1, dp=4), Grid(2, dp=2)), options=served,
+                            multimodal=c.multimodal, vllm_cannot=c.vllm_cannot, we_refuse=c.we_refuse))
     splits = (Grid(1, 2), Grid(1, 3), Grid(2, 2), Grid(1, 4), Grid(1, 3, partition="1,1,3"), Grid(2, 2, partition="4,1"))
     out.append(Case("llama-pp-splits", "llama", {"kv_heads": 2, "num_hidden_layers": 5}, tps=(), grids=splits,
                     note="5 layers: vLLM's uneven splits [3, 2], [2, 2, 1], [1, 1, 2, 1] and custom partitions"))
