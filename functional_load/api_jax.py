@@ -1,7 +1,8 @@
 """``load_jax``: a checkpoint into ``jax.Array``s, in vLLM's layout or in a JAX stack's own.
 
 ``load_jax(model, mesh)`` gives vLLM's layout (:mod:`.output.jax`): one global array per vLLM
-parameter, tensor parallelism along ``tp_axis`` (one mesh axis or several). ``load_jax(model,
+parameter, tensor parallelism along ``tp_axis`` (one mesh axis or several), data-parallel replicas
+along ``dp_axis``, and with ``pp_axis`` one such dict per pipeline stage. ``load_jax(model,
 target=tree, mapping=map)`` fills a stack's own abstract parameter tree (leaves
 ``jax.ShapeDtypeStruct`` with a sharding over any mesh) through a target map
 (:mod:`.model.targetmap`): the whole target is planned and validated before a byte is read, then
@@ -11,6 +12,7 @@ each process reads only the source boxes its devices' shards need (:mod:`.plan.t
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -32,7 +34,7 @@ from .model.spec import spec_for_config
 from .model.targetmap import Drop, Rule, TargetMap, as_target_map
 from .options import LoadOptions, resolve_options
 from .output.arrays import Progress, block_bytes, build_arrays, device_boxes, file_order
-from .output.jax import local_tp_ranks, tp_axes_of, vllm_arrays
+from .output.jax import MeshRanks, Rank, coordinate, tp_axes_of, vllm_arrays
 from .paths import JsonObject
 from .plan import Plan
 from .plan.target import Leaf, LeafPlan, TargetPlan, plan_target
@@ -51,6 +53,8 @@ def load_jax(
     target: object = None,
     mapping: TargetMap | Mapping[str, Rule] | str | Path | None = None,
     tp_axis: str | Sequence[str] = "tp",
+    pp_axis: str | None = None,
+    dp_axis: str | Sequence[str] | None = None,
     reader: Reader | None = None,
     options: LoadOptions = LoadOptions(),
     **overrides: Any,
@@ -61,18 +65,32 @@ def load_jax(
       size is the size of ``tp_axis`` (a tuple of axes: their product, a device's rank its
       row-major coordinate over them); other axes replicate. Each shard is the rank tensor
       :func:`~functional_load.load` gives that rank.
+
+      ``dp_axis`` (axis or tuple): the data-parallel replicas. Every parameter is replicated over
+      it except fused MoE experts, which vLLM splits or spreads over the ``dp_size x tp_size``
+      ranks ``dp_rank * tp_size + tp_rank``: their global array runs over ``(*dp_axis,
+      *tp_axis)``, each device holding what ``load(..., dp_size=, dp_rank=, tp_size=, rank=)``
+      gives its worker. ``pp_axis`` (one axis): stage ``s`` is the devices at index ``s`` of it,
+      and the result is ``{s: {vLLM name: global array}}``, stage ``s``'s parameters
+      (``plan(..., pp_size=, pp_rank=s)``'s) over its sub-mesh (``mesh`` without ``pp_axis``),
+      for the stages this process has devices in only: a process reads no byte of another
+      stage's layers. The ``pp_size``/``pp_rank`` (``dp_size``/``dp_rank``) options are refused
+      with ``pp_axis`` (``dp_axis``); without it they pick one stage (replica) for the whole mesh.
     * ``load_jax(model, target=tree, mapping=map)``: ``tree`` is any pytree (dicts, lists, a
       Flax NNX ``State`` from ``nnx.eval_shape``) of ``jax.ShapeDtypeStruct`` leaves with a
       sharding (over an abstract mesh, as ``nnx.eval_shape`` under ``jax.set_mesh`` gives: then
       ``mesh`` is the concrete mesh); ``map`` a :class:`~functional_load.TargetMap`, a dict of
       leaf key path -> :class:`~functional_load.Rule`, a ``.toml`` path or a shipped map's name.
       Returns the same structure with global arrays of the leaves' shapes, dtypes and
-      shardings (ready for ``nnx.update``).
+      shardings (ready for ``nnx.update``). Pipeline stages are a mesh axis over a stacked
+      leaf's layer dimension (``P("stage", None, "tp")`` on ``[layers, ...]``): each process
+      reads only its devices' layers.
 
     ``options`` (:class:`LoadOptions`, or its fields as keywords) as for every entry point; with
-    a ``target``, the leaves decide dtypes and placement, so ``dtype``, ``quantization`` and the
-    expert options do not apply. ``reader`` (from ``functional_load.io.reader_for``, optional) is
-    used for every read, e.g. to count this process's bytes.
+    a ``target``, the leaves decide dtypes and placement, so ``dtype``, ``quantization``, the
+    expert options and the pipeline and data-parallel ones do not apply. ``reader`` (from
+    ``functional_load.io.reader_for``, optional) is used for every read, e.g. to count this
+    process's bytes.
     """
     opts = resolve_options(options, overrides)
     if target is None:
@@ -80,38 +98,92 @@ def load_jax(
             raise ConfigError("load_jax needs a mesh (vLLM's layout) or a target tree and its mapping")
         if mapping is not None:
             raise ConfigError("mapping= applies to a target tree: pass target= too, or leave mapping out for vLLM's layout")
-        return _vllm_layout(model, mesh, tp_axis, reader, opts)
+        return _vllm_layout(model, mesh, _axes(mesh, tp_axis, pp_axis, dp_axis, opts), reader, opts)
     if mapping is None:
         raise ConfigError("load_jax(target=...) needs mapping=: a TargetMap, a dict of leaf -> Rule, a .toml file or a shipped map name")
+    given = [(name, why) for name, axis, why in (("pp_axis", pp_axis, STAGES_ARE_AXES), ("dp_axis", dp_axis, REPLICAS_ARE_AXES))
+             if axis is not None]
+    if given:
+        raise ConfigError(f"{[n for n, _ in given]} do not apply to load_jax(target=...): {'; '.join(why for _, why in given)}")
     return _target(model, target, as_target_map(mapping), mesh, reader, opts)
 
 
+STAGES_ARE_AXES = ("a target tree's pipeline stages are a mesh axis over its stacked layer dimension: shard that dimension over "
+                   "your stage axis (e.g. P('stage', None, 'tp') for a [layers, ...] leaf); each process then reads only its "
+                   "stages' layers")
+REPLICAS_ARE_AXES = "a target tree's data-parallel replicas are its leaves' shardings: replicate or shard them over your data axis"
+
+
+def _axes(
+    mesh: Mesh, tp_axis: str | Sequence[str], pp_axis: str | None, dp_axis: str | Sequence[str] | None, opts: LoadOptions
+) -> tuple[tuple[str, ...], str | None, tuple[str, ...]]:
+    """The tensor-parallel, pipeline and data-parallel axes of vLLM's layout, checked against the
+    mesh, each other and the options."""
+    tp = tp_axes_of(mesh, tp_axis)
+    dp = () if dp_axis is None else tp_axes_of(mesh, dp_axis, "data-parallel", "dp_axis")
+    if pp_axis is not None and (not isinstance(pp_axis, str) or pp_axis not in mesh.axis_names):
+        raise ConfigError(f"mesh axes {tuple(mesh.axis_names)} have no pipeline axis {pp_axis!r}; pass pp_axis= one of them (one axis)")
+    named = [*tp, *dp, *([pp_axis] if pp_axis is not None else [])]
+    twice = sorted({a for a in named if named.count(a) > 1})
+    if twice:
+        raise ConfigError(f"mesh axis {twice} is given to more than one of tp_axis={tp_axis!r}, dp_axis={dp_axis!r}, pp_axis={pp_axis!r}; "
+                          f"each parallel axis is its own mesh axis")
+    for option, axis, fields in (("pp_axis", pp_axis, ("pp_size", "pp_rank")), ("dp_axis", dp_axis, ("dp_size", "dp_rank"))):
+        given = [f for f in fields if getattr(opts, f) != getattr(LoadOptions(), f)]
+        if axis is not None and given:
+            raise ConfigError(f"option(s) {given} with {option}={axis!r}: that mesh axis gives the size and each device's index; "
+                              f"leave {'/'.join(fields)} out (without {option}, they pick one of them for the whole mesh)")
+    return tp, pp_axis, dp
+
+
 def _vllm_layout(
-    model: Model | JsonObject, mesh: Mesh, tp_axis: str | Sequence[str], reader: Reader | None, opts: LoadOptions
-) -> dict[str, jax.Array]:
-    axes = tp_axes_of(mesh, tp_axis)
-    tp_size = 1
-    for a in axes:
-        tp_size *= mesh.shape[a]
+    model: Model | JsonObject, mesh: Mesh, axes: tuple[tuple[str, ...], str | None, tuple[str, ...]], reader: Reader | None,
+    opts: LoadOptions,
+) -> dict[str, jax.Array] | dict[int, dict[str, jax.Array]]:
+    """vLLM's layout over ``mesh``; with a pipeline axis, one stage per index of it that this process has devices at."""
+    from jax.sharding import Mesh
+
+    tp, pp_axis, dp = axes
     if not isinstance(model, Mapping):  # a Hub repo id is resolved (and downloaded) once, for every rank
         model = resolve_model_dir(model, opts.revision, opts.load_format, opts.allow_pickle)
     local = opts.replace(revision=None)
-    plans: dict[int, Plan] = {}
+    if dp:
+        local = local.replace(dp_size=math.prod(mesh.shape[a] for a in dp))
+    if pp_axis is None:
+        return _stage(model, MeshRanks(mesh, tp, dp, opts.dp_rank), reader, local, "load_jax")
+    i = mesh.axis_names.index(pp_axis)
+    keep = [j for j in range(len(mesh.axis_names)) if j != i]
+    names, types = tuple(mesh.axis_names[j] for j in keep), tuple(mesh.axis_types[j] for j in keep)
+    stages = sorted({coordinate(mesh, (pp_axis,), d) for d in mesh.local_devices})
+    out = {}
+    for s in stages:
+        sub = Mesh(mesh.devices.take(s, axis=i), names, axis_types=types)
+        stage_opts = local.replace(pp_size=mesh.shape[pp_axis], pp_rank=s)
+        out[s] = _stage(model, MeshRanks(sub, tp, dp, opts.dp_rank), reader, stage_opts, f"load_jax stage {s}")
+    return out
+
+
+def _stage(model: Model | JsonObject, ranks: MeshRanks, reader: Reader | None, opts: LoadOptions, what: str) -> dict[str, jax.Array]:
+    """One stage's parameters over ``ranks.mesh``, planned and read for this process's workers only."""
+    plans: dict[Rank, Plan] = {}
     lock = threading.Lock()
 
-    def plan_of(rank: int) -> Plan:
+    def plan_of(rank: Rank) -> Plan:
         with lock:
             if rank not in plans:
-                plans[rank] = plan(model, tp_size=tp_size, rank=rank, options=local)
+                plans[rank] = plan(model, tp_size=ranks.tp_size, rank=rank[1], options=opts.replace(dp_rank=rank[0]))
             return plans[rank]
 
-    first = plan_of(local_tp_ranks(mesh, axes)[0])
-    bar = _bar(opts, first.bytes_to_read * len(local_tp_ranks(mesh, axes)), "load_jax")
+    local = ranks.local()
+    if not local:
+        raise ConfigError(f"this process has none of the mesh's devices {ranks.mesh.devices.tolist()}; give it a mesh that holds some")
+    first = plan_of(local[0])
+    bar = _bar(opts, first.bytes_to_read * len(local), what)
     try:
         if reader is not None:
-            return vllm_arrays(plan_of, mesh, axes, reader, threads=opts.read.threads, bar=bar)
+            return vllm_arrays(plan_of, ranks, reader, threads=opts.read.threads, bar=bar)
         with reader_for(first, opts.read) as own:
-            return vllm_arrays(plan_of, mesh, axes, own, threads=opts.read.threads, bar=bar)
+            return vllm_arrays(plan_of, ranks, own, threads=opts.read.threads, bar=bar)
     finally:
         if bar is not None:
             bar.close()
@@ -181,12 +253,16 @@ def target_leaves(tree: object, mesh: Mesh | None = None) -> tuple[list[Leaf], P
 
 def _not_for_targets(opts: LoadOptions) -> None:
     default = LoadOptions()
-    wrong = [f for f in ("dtype", "quantization", "expert_parallel", "expert_placement", "num_redundant_experts", "pp_size", "pp_rank",
-                         "dp_size", "dp_rank", "pp_layer_partition") if getattr(opts, f) != getattr(default, f)]
+    wrong = [f for f in ("dtype", "quantization", "expert_parallel", "expert_placement", "num_redundant_experts")
+             if getattr(opts, f) != getattr(default, f)]
     if wrong:
         raise ConfigError(
             f"option(s) {wrong} do not apply to load_jax(target=...): the target's leaves give dtypes and shardings, the map the layout"
         )
+    for fields, why in ((("pp_size", "pp_rank", "pp_layer_partition"), STAGES_ARE_AXES), (("dp_size", "dp_rank"), REPLICAS_ARE_AXES)):
+        given = [f for f in fields if getattr(opts, f) != getattr(default, f)]
+        if given:
+            raise ConfigError(f"option(s) {given} do not apply to load_jax(target=...): {why}")
     if opts.dummy:
         raise ConfigError("load_format='dummy' is not supported with a target tree; use load_jax(model, mesh) for vLLM's dummy layout")
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from ..model.mapping import ShardId
+from .expert_sharding import ExpertSplit
 from .parallel import Parallel
 from .placement import PerRank, Placement, Same
 from .sharding import Sharding
@@ -50,6 +51,13 @@ class ParamSpec:
         if self.derived and isinstance(placement, Same) and parallel.tp_size > 1:
             return PerRank()
         return placement
+
+    @property
+    def on_moe_ranks(self) -> bool:
+        """Whether :meth:`placement` is over the MoE ranks (``Parallel.moe_size``: ``dp_size x
+        tp_size``, this rank at ``moe_rank``) rather than the tensor-parallel ranks alone: a fused
+        MoE expert parameter, split or spread over every data-parallel replica's ranks."""
+        return isinstance(self.sharding, ExpertSplit)
 
     def local_pieces(self, parallel: Parallel, dim: int = 0) -> list[tuple[ShardId | None, tuple[int, int]]]:
         """``(segment id, local range)`` along ``dim`` on this rank: each fused segment's, when the

@@ -1,13 +1,18 @@
 """vLLM's layout as a JAX target: one global ``jax.Array`` per vLLM parameter.
 
 The tensor-parallel rank of a device is its coordinate along the mesh's ``tp_axes`` (several
-axes: their row-major flattened coordinate, as a ``PartitionSpec`` entry naming them shards). A
-parameter's placement (:mod:`functional_load.layout.placement`) decides its global form: the
-same on every rank, replicated (``P()``); split along dimension ``d``, the rank blocks back to
-back along ``d`` (rank-major: ``[rank 0 block; rank 1 block; ...]``, so a fused ``qkv_proj``'s
-rows are each rank's ``[q; k; v]`` with vLLM's KV-head replication, not the checkpoint's rows);
-different per rank (gpt-oss ``w2_bias``), a new leading dimension of one entry per rank. Each
-process plans and reads only the ranks its devices hold, through :mod:`.arrays`.
+axes: their row-major flattened coordinate, as a ``PartitionSpec`` entry naming them shards), its
+data-parallel rank its coordinate along ``dp_axes`` (:class:`MeshRanks`). A parameter's placement
+(:mod:`functional_load.layout.placement`) decides its global form: the same on every rank,
+replicated (``P()``); split along dimension ``d``, the rank blocks back to back along ``d``
+(rank-major: ``[rank 0 block; rank 1 block; ...]``, so a fused ``qkv_proj``'s rows are each
+rank's ``[q; k; v]`` with vLLM's KV-head replication, not the checkpoint's rows); different per
+rank (gpt-oss ``w2_bias``), a new leading dimension of one entry per rank. The ranks are the
+tensor-parallel ones (the data-parallel axes replicate), except for fused MoE experts, which vLLM
+splits or spreads over the ``dp_size x tp_size`` ranks ``dp_rank * tp_size + tp_rank``: their
+ranks lie along ``(*dp_axes, *tp_axes)``. Each process plans and reads only the ranks its devices
+hold, through :mod:`.arrays`. One pipeline stage is one such mesh (``load_jax`` cuts a mesh's
+pipeline axis into one sub-mesh per stage).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -36,29 +42,69 @@ if TYPE_CHECKING:
     from jax.sharding import Mesh, PartitionSpec
 
 
-def tp_axes_of(mesh: Mesh, tp_axis: str | Sequence[str]) -> tuple[str, ...]:
-    """The mesh axes that carry tensor parallelism (checked against the mesh)."""
+def tp_axes_of(mesh: Mesh, tp_axis: str | Sequence[str], what: str = "tensor-parallel", option: str = "tp_axis") -> tuple[str, ...]:
+    """The mesh axes that carry tensor (or data) parallelism (checked against the mesh)."""
     axes = (tp_axis,) if isinstance(tp_axis, str) else tuple(tp_axis)
     missing = [a for a in axes if a not in mesh.axis_names]
     if missing or not axes:
-        raise ConfigError(f"mesh axes {tuple(mesh.axis_names)} have no tensor-parallel axis {missing or axes}; pass tp_axis=")
+        raise ConfigError(f"mesh axes {tuple(mesh.axis_names)} have no {what} axis {missing or axes}; pass {option}=")
     return axes
 
 
-def tp_rank(mesh: Mesh, axes: tuple[str, ...], device: jax.Device) -> int:
-    """The tensor-parallel rank of ``device``: its row-major coordinate over ``axes``."""
+def coordinate(mesh: Mesh, axes: tuple[str, ...], device: jax.Device) -> int:
+    """``device``'s row-major coordinate over ``axes`` (as a ``PartitionSpec`` entry naming them shards)."""
     where = np.argwhere(mesh.devices == device)[0]
     rank = 0
     for axis in axes:
-        i = mesh.axis_names.index(axis)
-        rank = rank * mesh.shape[axis] + int(where[i])
+        rank = rank * mesh.shape[axis] + int(where[mesh.axis_names.index(axis)])
     return rank
 
 
-def local_tp_ranks(mesh: Mesh, tp_axis: str | Sequence[str]) -> list[int]:
-    """The tensor-parallel ranks of this process's devices."""
-    axes = tp_axes_of(mesh, tp_axis)
-    return sorted({tp_rank(mesh, axes, d) for d in mesh.local_devices})
+Rank = tuple[int, int]  # a vLLM worker of one stage: (dp_rank, tp_rank)
+
+
+@dataclass(frozen=True, slots=True)
+class MeshRanks:
+    """Which vLLM worker ``(dp_rank, tp_rank)`` each device of ``mesh`` is.
+
+    The tensor-parallel rank is a device's row-major coordinate over ``tp_axes``, the
+    data-parallel rank its coordinate over ``dp_axes``; without ``dp_axes`` every device is
+    replica ``dp_rank`` (the ``dp_size``/``dp_rank`` options: one replica's layout over the mesh).
+    Parameters on the MoE ranks (``ParamSpec.on_moe_ranks``) lie along ``axes(moe=True)``:
+    ``(*dp_axes, *tp_axes)``, the row-major rank ``dp_rank * tp_size + tp_rank`` as vLLM flattens
+    them; every other parameter over ``tp_axes``, replicated over the data-parallel axes.
+    """
+
+    mesh: Mesh
+    tp_axes: tuple[str, ...]
+    dp_axes: tuple[str, ...] = ()
+    dp_rank: int = 0
+
+    @property
+    def tp_size(self) -> int:
+        return math.prod(self.mesh.shape[a] for a in self.tp_axes)
+
+    def of(self, device: jax.Device) -> Rank:
+        dp = coordinate(self.mesh, self.dp_axes, device) if self.dp_axes else self.dp_rank
+        return dp, coordinate(self.mesh, self.tp_axes, device)
+
+    def local(self) -> list[Rank]:
+        """The workers of this process's devices."""
+        return sorted({self.of(d) for d in self.mesh.local_devices})
+
+    def axes(self, moe: bool) -> tuple[tuple[str, ...], int]:
+        """The mesh axes a parameter's ranks lie along, and how many ranks that is."""
+        axes = (*self.dp_axes, *self.tp_axes) if moe else self.tp_axes
+        return axes, math.prod(self.mesh.shape[a] for a in axes)
+
+    def owner(self, index: int, moe: bool, local: list[Rank]) -> Rank:
+        """The worker at ``index`` along :meth:`axes`; for a parameter every replica holds alike,
+        one of this process's workers with that tensor-parallel rank."""
+        if moe and self.dp_axes:
+            return divmod(index, self.tp_size)
+        if self.dp_axes:
+            return min(r for r in local if r[1] == index)
+        return self.dp_rank, index
 
 
 def as_numpy(tensor: torch.Tensor) -> np.ndarray:
@@ -70,15 +116,16 @@ def as_numpy(tensor: torch.Tensor) -> np.ndarray:
     return flat.view(to_numpy(name)).reshape(tuple(tensor.shape))
 
 
-def _global_leaves(
-    plan_of: Callable[[int], Plan], first: Plan, local: list[int], mesh: Mesh, axes: tuple[str, ...], tp_size: int
-) -> tuple[list[Leaf], list[tuple[str, Placement]]]:
-    """The global array of every parameter of ``first`` (its shape, dtype and sharding over ``mesh``)
-    and each parameter's placement; ``ShardingError`` if this process's ranks hold blocks of different shapes."""
+Form = tuple[str, Placement, bool]  # a parameter's name, placement, and whether it is on the MoE ranks
+
+
+def _global_leaves(plan_of: Callable[[Rank], Plan], first: Plan, local: list[Rank], ranks: MeshRanks) -> tuple[list[Leaf], list[Form]]:
+    """The global array of every parameter of ``first`` (its shape, dtype and sharding over the
+    mesh) and each parameter's form; ``ShardingError`` if this process's ranks hold blocks of different shapes."""
     from jax.sharding import NamedSharding
 
     leaves: list[Leaf] = []
-    forms: list[tuple[str, Placement]] = []
+    forms: list[Form] = []
     for param in first.params:
         spec = param.spec
         shapes = {plan_of(r).param(spec.name).spec.local_shape for r in local}
@@ -88,43 +135,41 @@ def _global_leaves(
                 f"cannot shard evenly (e.g. a number of experts that does not divide over the ranks)"
             )
         placement = spec.placement(first.parallel)
-        global_shape, pspec = _global_form(spec.local_shape, placement, axes, tp_size)
-        leaves.append(Leaf(spec.name, global_shape, spec.dtype, NamedSharding(mesh, pspec)))
-        forms.append((spec.name, placement))
+        axes, size = ranks.axes(spec.on_moe_ranks)
+        global_shape, pspec = _global_form(spec.local_shape, placement, axes, size)
+        leaves.append(Leaf(spec.name, global_shape, spec.dtype, NamedSharding(ranks.mesh, pspec)))
+        forms.append((spec.name, placement, spec.on_moe_ranks))
     return leaves, forms
 
 
 def _global_form(
-    shape: tuple[int, ...], placement: Placement, axes: tuple[str, ...], tp_size: int
+    shape: tuple[int, ...], placement: Placement, axes: tuple[str, ...], size: int
 ) -> tuple[tuple[int, ...], PartitionSpec]:
-    """A rank block's global shape and ``PartitionSpec``: blocks back to back along the split
-    dimension, one entry per rank in a new leading one, or replicated."""
+    """A rank block's global shape and ``PartitionSpec`` over ``size`` ranks along ``axes``: blocks
+    back to back along the split dimension, one entry per rank in a new leading one, or replicated."""
     from jax.sharding import PartitionSpec
 
     entry: str | tuple[str, ...] = axes[0] if len(axes) == 1 else axes
     if isinstance(placement, Along):
         d = placement.dim
-        return shape[:d] + (shape[d] * tp_size,) + shape[d + 1 :], PartitionSpec(*([None] * d + [entry]))
+        return shape[:d] + (shape[d] * size,) + shape[d + 1 :], PartitionSpec(*([None] * d + [entry]))
     if isinstance(placement, PerRank):
-        return (tp_size, *shape), PartitionSpec(entry)
+        return (size, *shape), PartitionSpec(entry)
     return shape, PartitionSpec()
 
 
 def vllm_arrays(
-    plan_of: Callable[[int], Plan], mesh: Mesh, tp_axis: str | Sequence[str], reader: Reader, *, threads: int = 4,
-    bar: Progress | None = None,
+    plan_of: Callable[[Rank], Plan], ranks: MeshRanks, reader: Reader, *, threads: int = 4, bar: Progress | None = None,
 ) -> dict[str, jax.Array]:
-    """Every parameter of vLLM's layout as a global array over ``mesh``; ``plan_of(rank)`` is
-    the plan of a tensor-parallel rank, asked only for this process's ranks."""
-    axes = tp_axes_of(mesh, tp_axis)
-    tp_size = math.prod(mesh.shape[a] for a in axes)
-    local = local_tp_ranks(mesh, axes)
+    """Every parameter of vLLM's layout as a global array over ``ranks.mesh``; ``plan_of((dp_rank,
+    tp_rank))`` is the plan of a worker, asked only for this process's workers."""
+    local = ranks.local()
     first = plan_of(local[0])
-    leaves, forms = _global_leaves(plan_of, first, local, mesh, axes, tp_size)
-    quantized: dict[tuple[int, str], dict[str, torch.Tensor]] = {}  # online quantization: (rank, module) -> its tensors
+    leaves, forms = _global_leaves(plan_of, first, local, ranks)
+    quantized: dict[tuple[Rank, str], dict[str, torch.Tensor]] = {}  # online quantization: (rank, module) -> its tensors
     lock = threading.Lock()
 
-    def rank_param(name: str, rank: int) -> np.ndarray:  # each distinct box asks once (see .arrays)
+    def rank_param(name: str, rank: Rank) -> np.ndarray:  # each distinct box asks once (see .arrays)
         plan = plan_of(rank)
         param = plan.param(name)
         if not param.spec.derived and not is_online_weight(plan, param):
@@ -142,13 +187,13 @@ def vllm_arrays(
         return as_numpy(tensor)
 
     def block(i: int, box: tuple[Range, ...]) -> np.ndarray:
-        name, placement = forms[i]
+        name, placement, moe = forms[i]
         if isinstance(placement, Along):
-            d, size = placement.dim, leaves[i].shape[placement.dim] // tp_size
-            data = rank_param(name, box[d][0] // size)
+            d, size = placement.dim, leaves[i].shape[placement.dim] // ranks.axes(moe)[1]
+            data = rank_param(name, ranks.owner(box[d][0] // size, moe, local))
             return data[tuple(slice(0, size) if j == d else slice(a, b) for j, (a, b) in enumerate(box))]
         if isinstance(placement, PerRank):
-            data = rank_param(name, box[0][0])[None]
+            data = rank_param(name, ranks.owner(box[0][0], moe, local))[None]
             return data[(slice(0, 1), *(slice(a, b) for a, b in box[1:]))]
         return rank_param(name, local[0])[tuple(slice(a, b) for a, b in box)]
 
