@@ -180,17 +180,21 @@ def _plan(model: Model | JsonObject, tp_size: int, rank: int, opts: LoadOptions)
         stored = bool(manifest.get("online_quantization"))
         quantization = opts.quantization or manifest.get("online_quantization")
         saved = manifest["parallel"]
-        if stored and (parallel.tp_size, parallel.expert_parallel) != (saved["tp_size"], saved["expert_parallel"]):
+        sizes = (saved["tp_size"], saved.get("pp_size", 1), saved.get("dp_size", 1), saved["expert_parallel"])
+        if stored and (parallel.tp_size, parallel.pp_size, parallel.dp_size, parallel.expert_parallel) != sizes:
             raise ConfigError(
                 f"{directory}: this save holds weights quantized while loading; it reloads only as saved "
                 f"({manifest['parallel']}), its original weights are not in it. Save from the original checkpoint to reshard"
             )
-    checkpoint = _checkpoint(directory, manifest, parallel.rank, opts.load_format, opts.allow_pickle)
+    if manifest is not None:  # a pre-sharded save: its virtual original checkpoint, as this rank prefers its boxes
+        checkpoint = sharded_checkpoint(directory, manifest, parallel)
+    else:
+        checkpoint = _checkpoint(directory, None, parallel.rank, opts.load_format, opts.allow_pickle)
     dtype_name = model_dtype(dtype, config, _weight_codes(checkpoint), str(directory / "config.json"))
     layout = _layout(config, parallel, dtype_name, opts, stored, quantization, checkpoint)
     if manifest is not None and not stored:  # at the saved layout, the rank's own file is read as it is
         kept = {name: p.local_shape for name, p in layout.params.items() if name not in layout.aliases}
-        checkpoint = saved_rank(directory, manifest, parallel, kept) or checkpoint
+        checkpoint = saved_rank(directory, manifest, layout.parallel, kept) or checkpoint
     try:
         return make_plan(layout, checkpoint)
     except PlanError as exc:
@@ -250,21 +254,46 @@ def save_sharded(
     **overrides: object,
 ) -> Path:
     """Save every rank of a layout to ``out_dir`` once, atomically, with a manifest of sizes,
-    SHA-256 and the boxes each rank holds; ``load(out_dir, ...)`` reads it back at that tp size
-    (each rank its own file) or reshards it to another.
+    SHA-256, each rank's coordinates and the boxes each rank holds; ``load(out_dir, ...)`` reads
+    it back at that layout (each rank its stored tensors, as they are) or reshards it to another
+    (any tp, pp or dp size, with or without expert parallelism), as if loading the original.
 
-    ``source`` is a checkpoint directory (then ``tp_size`` is required, and each rank is loaded
-    in turn with ``options``, as for :func:`load`) or the :class:`LoadedState` of every rank.
+    ``source`` is a checkpoint directory (then ``tp_size`` is required, and every rank of
+    ``pp_size x dp_size x tp_size`` is loaded in turn with ``options``, as for :func:`load`; the
+    options pick the layout, not a rank: ``pp_rank``/``dp_rank`` are refused) or the
+    :class:`LoadedState` of every rank, in any order.
+
+    Files: ``model-rank-{g}-of-{world}-{id}.safetensors`` for each global rank
+    ``g = (dp_rank * pp_size + pp_rank) * tp_size + rank`` (vLLM's), ``config.json`` and
+    ``functional_load.sharded.json``. Nothing is stored twice across replicas or stages: a tensor
+    that another data-parallel replica or pipeline stage holds identically (the same tensor rank,
+    name and original boxes: every replica's attention and dense layers, an outer module repeated
+    on a later stage) is written only by the first such rank in global order, and the manifest
+    points the others' entries at that file; a replica's own file holds its experts (a dense
+    model's: no tensor). Within one stage of one replica each tensor rank's file is complete, as
+    in a tp save (replicated norms and KV heads are in every tensor rank's file). A rank reloaded
+    at the saved layout reads its own file and the files its entries point at; from a directory,
+    each replica is loaded in full, its shared tensors read and not written. A single-stage,
+    single-replica save is manifest version 1, as before; a larger one is version 2, which older
+    loaders refuse rather than misread. A save quantized while loading reloads at its layout only.
     """
     opts = resolve_options(options, overrides)
     if isinstance(source, (str, os.PathLike)):
         if tp_size is None:
             raise ConfigError("save_sharded(model_dir, out_dir, tp_size): tp_size is required for a checkpoint directory")
+        if opts.pp_rank or opts.dp_rank or {"pp_rank", "dp_rank"} & set(overrides):
+            raise ConfigError(
+                f"save_sharded saves every rank of the layout (pp_size={opts.pp_size} x dp_size={opts.dp_size} x "
+                f"tp_size={tp_size}); pp_rank/dp_rank pick one rank: leave them out"
+            )
         if "progress" not in overrides and options.progress is None:
             opts = opts.replace(progress=False)
         directory = resolve_model_dir(source, opts.revision, opts.load_format, opts.allow_pickle)
         local = opts.replace(revision=None)
-        states: Iterable[LoadedState] = (load(directory, tp_size=tp_size, rank=r, options=local) for r in range(tp_size))
+        states: Iterable[LoadedState] = (
+            load(directory, tp_size=tp_size, rank=r, options=local.replace(pp_rank=p, dp_rank=d))
+            for d in range(opts.dp_size) for p in range(opts.pp_size) for r in range(tp_size)
+        )
         return write_sharded(states, out_dir, directory)
     if overrides or options != LoadOptions():
         raise ConfigError("save_sharded(states, out_dir): the states are loaded already; options apply to a checkpoint directory")

@@ -841,7 +841,7 @@ def _dup_manifest(d: Path, o: Path) -> None:
 
 
 PRE = {"tp_size": 4, "rank": 1}
-case("manifest-bad-version", "manifests", "presharded", _edit_manifest(lambda m: m.__setitem__("version", 2)), FormatError, ("{d}/" + MANIFEST, "version 2"), PRE)
+case("manifest-bad-version", "manifests", "presharded", _edit_manifest(lambda m: m.__setitem__("version", 3)), FormatError, ("{d}/" + MANIFEST, "version 3"), PRE)
 case("manifest-bad-format", "manifests", "presharded", _edit_manifest(lambda m: m.__setitem__("format", "evil")), FormatError, ("{d}/" + MANIFEST,), PRE)
 case("manifest-duplicate-keys", "manifests", "presharded", _dup_manifest, FormatError, ("{d}/" + MANIFEST, "duplicate JSON key 'version'"), PRE)
 case("manifest-nan", "manifests", "presharded", _edit_manifest(lambda m: m.__setitem__("x", float("nan"))), FormatError, ("{d}/" + MANIFEST, "NaN"), PRE)

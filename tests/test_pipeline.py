@@ -87,10 +87,11 @@ def test_a_pipeline_table_names_modules_of_its_spec() -> None:
 
 
 def test_a_stage_is_neither_saved_nor_a_target_tree_option(tiny_checkpoint, tmp_path) -> None:
-    """A pre-sharded save holds a whole layout, and a target tree has no pipeline axis yet: both
-    refuse a stage (or replica) rather than save or plan a part of the model as if it were all."""
+    """A pre-sharded save holds a whole layout (every stage: tests/test_sharded_layouts.py), and a
+    target tree has no pipeline axis yet: both refuse a stage (or replica) rather than save or
+    plan a part of the model as if it were all."""
     path = tiny_checkpoint("llama", kv_heads=2)
-    with pytest.raises(fl.ConfigError, match="one pipeline stage or data-parallel replica"):
+    with pytest.raises(fl.ConfigError, match=r"save_sharded saves every rank of the layout .* pp_rank/dp_rank pick one rank"):
         fl.save_sharded(path, tmp_path / "out", 1, pp_size=2, pp_rank=0)
     assert not (tmp_path / "out").exists()
     with pytest.raises(fl.ConfigError, match=r"\['pp_size'\] do not apply to load_jax\(target=...\)"):

@@ -1,12 +1,19 @@
 """Pre-sharded saves, read side: the manifest, and the virtual checkpoint it describes.
 
-A directory written by :func:`functional_load.save_sharded` holds one safetensors file per rank
-and a manifest that records, for every rank tensor, which box of which original checkpoint
-tensor it holds. :func:`sharded_checkpoint` rebuilds the original checkpoint from it
-*virtually*: every original tensor's bytes are :class:`~functional_load.checkpoint.SavedBoxes`
-in the rank files, so the normal planner runs against it at any tp size (at the saved one, a
-rank's boxes all come from its own file). Headers and sizes only; hashes are checked by the
-reader (``ReadOptions(verify_hashes=True)``).
+A directory written by :func:`functional_load.save_sharded` holds one safetensors file per
+global rank of its layout (``pp_size x dp_size x tp_size`` ranks) and a manifest that records each
+rank's coordinates and, for every rank tensor, which box of which original checkpoint tensor it
+holds and which file stores it (a data-parallel replica's or later stage's copy of a tensor an
+earlier rank of the same tensor rank stored is not stored again). :func:`sharded_checkpoint`
+rebuilds the original checkpoint from it *virtually*: every original tensor's bytes are
+:class:`~functional_load.checkpoint.SavedBoxes` in the rank files, so the normal planner runs
+against it at any layout; :func:`saved_rank` reads a rank's tensors as they are at the saved
+layout. Headers and sizes only; hashes are checked by the reader
+(``ReadOptions(verify_hashes=True)``).
+
+Manifest version 1 is a single-stage, single-replica save (``parallel.tp_size`` ranks, keyed by
+tensor rank); version 2 adds ``parallel.pp_size``/``dp_size`` and keys ranks by vLLM's global
+rank ``(dp_rank * pp_size + pp_rank) * tp_size + rank``. Both are read.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import os
 from collections.abc import Mapping, Sequence
 
 from ..dtypes import SAFETENSORS_DTYPES, TORCH_TO_SAFETENSORS
-from ..errors import ConfigError, FormatError, IntegrityError
+from ..errors import ConfigError, FormatError, IntegrityError, LoadError
 from ..layout.parallel import Parallel
 from ..paths import JsonDict, JsonObject, strict_json_loads
 from ..storage import StoredPath, as_path, read_all, storage_for
@@ -25,7 +32,31 @@ from .index import read_header
 
 MANIFEST = "functional_load.sharded.json"
 FORMAT = "functional_load.sharded"
-VERSION = 1
+VERSION = 2  # what this loader reads up to; a single-stage, single-replica save is still written as version 1
+VERSIONS = (1, 2)
+
+
+def world_size(manifest: JsonObject) -> int:
+    """The saved layout's number of ranks: ``tp_size x pp_size x dp_size`` (version 1: ``tp_size``)."""
+    saved = manifest["parallel"]
+    return int(saved["tp_size"]) * int(saved.get("pp_size", 1)) * int(saved.get("dp_size", 1))
+
+
+def rank_layout(manifest: JsonObject, key: str) -> JsonObject:
+    """Saved rank ``key``'s coordinates (``Parallel.to_json()``): recorded, or, in a save written
+    before they were, tensor rank ``key`` of the save's tp layout."""
+    recorded = manifest["ranks"][key].get("parallel")
+    if isinstance(recorded, dict):
+        return recorded
+    saved = manifest["parallel"]
+    return Parallel(saved["tp_size"], int(key), saved["expert_parallel"], saved["expert_placement"],
+                    saved["num_redundant_experts"]).to_json()
+
+
+def param_file(entry: JsonObject, record: JsonObject) -> str:
+    """The file that stores a rank's parameter: its own, unless the manifest points at another
+    rank's (a data-parallel replica's or later stage's copy stored once)."""
+    return str(record.get("file", entry["file"]))
 
 
 def read_manifest(directory: str | os.PathLike[str] | StoredPath) -> JsonDict | None:
@@ -39,27 +70,37 @@ def read_manifest(directory: str | os.PathLike[str] | StoredPath) -> JsonDict | 
     manifest = strict_json_loads(read_all(path, "a manifest"), str(path))
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise FormatError(f"{path}: not a functional_load sharded-state manifest")
-    if manifest.get("version") != VERSION:
-        raise FormatError(f"{path}: manifest version {manifest.get('version')!r}; this loader reads version {VERSION}")
+    if manifest.get("version") not in VERSIONS:
+        raise FormatError(
+            f"{path}: manifest version {manifest.get('version')!r}; this loader reads versions {list(VERSIONS)}. "
+            f"Upgrade functional_load, or save again from the original checkpoint"
+        )
     for key in ("files", "tensors", "ranks", "parallel"):
         if not isinstance(manifest.get(key), dict):
             raise FormatError(f"{path}: manifest field {key!r} is missing or not an object")
     for name in manifest["files"]:
         if not isinstance(name, str) or os.path.basename(name) != name or name.startswith("."):
             raise FormatError(f"{path}: manifest file name {name!r} is not a plain file name")
-    tp_size = manifest["parallel"].get("tp_size")
-    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
-        raise FormatError(f"{path}: manifest parallel.tp_size {tp_size!r} is not a positive integer")
-    for rank in range(tp_size):
+    for axis in ("tp_size", "pp_size", "dp_size"):
+        size = manifest["parallel"].get(axis, 1)
+        if not _is_int(size, 1) or (manifest["version"] == 1 and axis != "tp_size" and size != 1):
+            raise FormatError(f"{path}: manifest parallel.{axis} {size!r} is not a positive integer (1 in a version 1 manifest)")
+    world = world_size(manifest)
+    for rank in range(world):
         entry = manifest["ranks"].get(str(rank))
         file = entry.get("file") if isinstance(entry, dict) else None
         if not isinstance(file, str) or file not in manifest["files"] or not isinstance(entry.get("params"), dict):
             raise FormatError(
-                f"{path}: manifest rank {rank} of tp_size {tp_size} is missing, names no file listed under 'files' "
-                f"(found {file!r}) or has no 'params' object"
+                f"{path}: manifest rank {rank} of {world} ({_layout_words(manifest)}) is missing, names no file listed "
+                f"under 'files' (found {file!r}) or has no 'params' object"
             )
     _check_schema(path, manifest)
     return manifest
+
+
+def _layout_words(manifest: JsonObject) -> str:
+    saved = manifest["parallel"]
+    return f"tp_size {saved['tp_size']}, pp_size {saved.get('pp_size', 1)}, dp_size {saved.get('dp_size', 1)}"
 
 
 def _is_int(value: object, low: int = 0) -> bool:
@@ -93,9 +134,11 @@ def _check_schema(path: StoredPath, manifest: JsonObject) -> None:
         need(ok and meta.get("dtype") in SAFETENSORS_DTYPES, f"tensors[{name!r}]", meta)
     for rank, entry in manifest["ranks"].items():
         need(isinstance(entry.get("aliases", {}), dict), f"ranks[{rank!r}].aliases", entry.get("aliases"))
+        _check_rank_layout(path, manifest, rank)
         for param, record in entry["params"].items():
             sources = record.get("sources") if isinstance(record, dict) else None
             need(isinstance(sources, list), f"ranks[{rank!r}].params[{param!r}].sources", sources)
+            need(record.get("file", entry["file"]) in manifest["files"], f"ranks[{rank!r}].params[{param!r}].file", record.get("file"))
             for source in sources or ():
                 ok = (
                     isinstance(source, dict)
@@ -105,6 +148,27 @@ def _check_schema(path: StoredPath, manifest: JsonObject) -> None:
                     and isinstance(source.get("transpose"), bool)
                 )
                 need(ok, f"ranks[{rank!r}].params[{param!r}].sources", source)
+
+
+def _check_rank_layout(path: StoredPath, manifest: JsonObject, key: str) -> None:
+    """A rank's recorded coordinates are a rank of the saved layout, filed under its global rank."""
+    recorded = manifest["ranks"][key].get("parallel")
+    if recorded is None:
+        return
+    saved = manifest["parallel"]
+    try:
+        fields = {k: recorded[k] for k in ("tp_size", "rank", "expert_parallel", "expert_placement", "num_redundant_experts")}
+        axes = {k: recorded.get(k, d) for k, d in (("pp_size", 1), ("pp_rank", 0), ("dp_size", 1), ("dp_rank", 0))}
+        rank = Parallel(**fields, **axes, pp_partition=tuple(recorded.get("pp_partition", ())))
+        ok = str(rank.flat_rank) == key and (rank.tp_size, rank.pp_size, rank.dp_size) == (
+            saved["tp_size"], saved.get("pp_size", 1), saved.get("dp_size", 1))
+    except (TypeError, KeyError, AttributeError, LoadError):
+        ok = False
+    if not ok:
+        raise FormatError(
+            f"{path}: manifest ranks[{key!r}].parallel {recorded!r:.200} is not global rank {key} of the saved layout "
+            f"({_layout_words(manifest)}); the manifest was edited or is corrupt. Save again from the original checkpoint"
+        )
 
 
 def verify_sizes(directory: StoredPath, manifest: JsonObject, names: Sequence[str]) -> None:
@@ -134,45 +198,73 @@ def _check_config(directory: StoredPath, manifest: JsonObject) -> None:
         )
 
 
-def sharded_checkpoint(directory: str | os.PathLike[str] | StoredPath, manifest: JsonObject, rank: int) -> Checkpoint:
-    """The virtual original checkpoint of a pre-sharded directory, as rank ``rank`` reads it.
+def _rank_tensors(directory: StoredPath, manifest: JsonObject, key: str) -> tuple[tuple[StoredPath, ...], dict[str, TensorInfo]]:
+    """Saved rank ``key``'s tensors as they are stored: every tensor of its own file, then those of
+    its parameters the manifest points at another rank's file for (in file order); and the files."""
+    entry = manifest["ranks"][key]
+    names = [entry["file"], *sorted({param_file(entry, r) for r in entry["params"].values()} - {entry["file"]})]
+    verify_sizes(directory, manifest, names)
+    tensors = dict(read_header(directory / entry["file"]))
+    for name in names[1:]:
+        header = read_header(directory / name)
+        wanted = {p for p, r in entry["params"].items() if param_file(entry, r) == name}
+        for param in sorted(wanted - set(header)):
+            raise FormatError(f"{directory / name}: has no tensor {param!r}, which the manifest lists for saved rank {key}")
+        tensors.update((param, info) for param, info in header.items() if param in wanted)
+    return tuple(directory / n for n in names), tensors
+
+
+def _sizes(layout: JsonObject) -> tuple[object, object, object]:
+    return layout["tp_size"], layout.get("pp_size", 1), layout.get("dp_size", 1)
+
+
+def _saved_key(manifest: JsonObject, parallel: Parallel) -> str | None:
+    """The saved rank that is ``parallel`` (the same coordinates over every axis), if any."""
+    key = str(parallel.flat_rank)
+    return key if key in manifest["ranks"] and rank_layout(manifest, key) == parallel.to_json() else None
+
+
+def sharded_checkpoint(directory: str | os.PathLike[str] | StoredPath, manifest: JsonObject, rank: int | Parallel) -> Checkpoint:
+    """The virtual original checkpoint of a pre-sharded directory, as ``rank`` (a rank of any
+    layout, or a tensor rank) reads it.
 
     Every rank file holds boxes of original tensors; a box kept by several ranks (replicated
-    parameters, shared KV heads) is read from ``rank``'s own file when it has it. A save of
-    weights quantized while loading has no original tensors: it is the rank's own file, as is
-    (``rank_local``), and loads only at its saved layout.
+    parameters, shared KV heads) is read from ``rank``'s own file when it has it (the saved rank
+    of the same coordinates, else one of the same tensor rank). A save of weights quantized while
+    loading has no original tensors: it is the rank's stored tensors, as they are (``rank_local``),
+    and loads only at its saved layout.
     """
     directory = as_path(directory)
     _check_config(directory, manifest)
-    saved_tp = manifest["parallel"]["tp_size"]
+    parallel = rank if isinstance(rank, Parallel) else Parallel(manifest["parallel"]["tp_size"], rank)
     checksums = {directory / name: entry["sha256"] for name, entry in manifest["files"].items()}
     if manifest.get("online_quantization"):
-        if rank >= saved_tp:
-            raise ConfigError(f"{directory}: saved for tp_size={saved_tp}; it has no rank {rank}")
-        own = manifest["ranks"][str(rank)]["file"]
-        verify_sizes(directory, manifest, [own])
-        tensors = read_header(directory / own)
-        return Checkpoint(directory, "sharded", (directory / own,), tensors, directory / MANIFEST, True, checksums)
-    order = sorted(range(saved_tp), key=lambda r: (r != rank % saved_tp, r))
+        key = str(parallel.flat_rank)
+        if key not in manifest["ranks"] or _sizes(rank_layout(manifest, key)) != _sizes(parallel.to_json()):
+            raise ConfigError(f"{directory}: saved at {_layout_words(manifest)}; it has no {parallel.describe()}")
+        files, tensors = _rank_tensors(directory, manifest, key)
+        return Checkpoint(directory, "sharded", files, tensors, directory / MANIFEST, True, checksums)
+    saved_tp, exact = manifest["parallel"]["tp_size"], _saved_key(manifest, parallel)
+    order = sorted(range(world_size(manifest)), key=lambda r: (str(r) != exact, r % saved_tp != parallel.rank % saved_tp, r))
     needed = sorted({manifest["ranks"][str(r)]["file"] for r in order})
     verify_sizes(directory, manifest, needed)
-    own = directory / manifest["ranks"][str(order[0])]["file"]
+    first = manifest["ranks"][str(order[0])]
+    own = directory / first["file"]
     headers = RankFiles(read_header, {own: read_header(own)})  # the others' when a box is read from them
     pieces: dict[str, list[SavedPiece]] = {}
     for r in order:
         entry = manifest["ranks"][str(r)]
         for param, record in entry["params"].items():
-            if not record["sources"]:
-                continue  # a default value, not stored
-            for s in record["sources"]:
+            for s in record["sources"]:  # none: a default value, not stored
                 src = tuple(tuple(b) for b in s["src"])
                 have = pieces.setdefault(s["tensor"], [])
                 if any(p.src == src for p in have):
                     continue  # the same box from an earlier (preferred) rank
                 dst = tuple(tuple(b) for b in s["dst"])
-                have.append(SavedPiece(src, dst, bool(s["transpose"]), directory / entry["file"], param, headers))
-    for param, record in manifest["ranks"][str(order[0])]["params"].items():  # the own file holds what is listed
-        if record["sources"]:
+                file = directory / param_file(entry, record)
+                have.append(SavedPiece(src, dst, bool(s["transpose"]), file, param, headers))
+    for param, record in first["params"].items():  # the own file holds what is listed
+        if record["sources"] and param_file(first, record) == first["file"]:
             headers.info(own, param)
     tensors = {
         name: TensorInfo(name, meta["dtype"], tuple(meta["shape"]), SavedBoxes(tuple(pieces.get(name, ())), directory / MANIFEST))
@@ -185,24 +277,21 @@ def sharded_checkpoint(directory: str | os.PathLike[str] | StoredPath, manifest:
 def saved_rank(
     directory: str | os.PathLike[str] | StoredPath, manifest: JsonObject, parallel: Parallel, params: Mapping[str, tuple[int, ...]]
 ) -> Checkpoint | None:
-    """The rank's own file as a rank-local checkpoint, when this load is the saved one: the same
-    tp size and expert placement, and the file holds exactly ``params`` (the layout's rank-local
-    parameters less tied aliases, and less those the save records as defaults) at those shapes. Its tensors are then read
-    as they are, in file order (no virtual original tensors, no per-box gather). None otherwise:
-    the load reshards through :func:`sharded_checkpoint`."""
-    saved = manifest["parallel"]
-    same = (parallel.tp_size, parallel.expert_parallel, parallel.expert_placement, parallel.num_redundant_experts) == (
-        saved["tp_size"], saved["expert_parallel"], saved["expert_placement"], saved["num_redundant_experts"],
-    )
-    if not same or manifest.get("online_quantization"):
+    """The rank's stored tensors as a rank-local checkpoint, when this load is a saved rank: the
+    same coordinates over every axis (``parallel``: the layout's, as served) and expert placement,
+    and the rank's files hold exactly ``params`` (the layout's rank-local parameters less tied
+    aliases, and less those the save records as defaults) at those shapes. They are then read as
+    they are, in file order (its own file, then those of an earlier replica or stage that stored
+    a tensor it shares; no virtual original tensors, no per-box gather). None otherwise: the load
+    reshards through :func:`sharded_checkpoint`."""
+    key = _saved_key(manifest, parallel)
+    if key is None or manifest.get("online_quantization"):
         return None
     directory = as_path(directory)
-    entry = manifest["ranks"][str(parallel.rank)]
-    verify_sizes(directory, manifest, [entry["file"]])
-    own = directory / entry["file"]
-    tensors = read_header(own)
+    entry = manifest["ranks"][key]
+    files, tensors = _rank_tensors(directory, manifest, key)
     stored = {n: shape for n, shape in params.items() if entry["params"].get(n, {}).get("fill") is None}
     if {n: t.shape for n, t in tensors.items()} != stored:
         return None
     checksums = {directory / name: e["sha256"] for name, e in manifest["files"].items()}
-    return Checkpoint(directory, "sharded", (own,), tensors, directory / MANIFEST, True, checksums)
+    return Checkpoint(directory, "sharded", files, tensors, directory / MANIFEST, True, checksums)

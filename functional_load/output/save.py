@@ -1,10 +1,16 @@
 """Pre-sharded checkpoints, write side: every rank's tensors once, with a manifest.
 
-:func:`write_sharded` (behind :func:`functional_load.save_sharded`) writes one safetensors file per rank
-(``model-rank-{r}-of-{tp}-{save_id}.safetensors``), a copy of ``config.json`` and a versioned
+:func:`write_sharded` (behind :func:`functional_load.save_sharded`) writes one safetensors file per
+global rank ``g = (dp_rank * pp_size + pp_rank) * tp_size + rank`` of the layout
+(``model-rank-{g}-of-{world}-{save_id}.safetensors``), a copy of ``config.json`` and a versioned
 manifest ``functional_load.sharded.json`` that records the source's identity, the parallel
-layout, each file's size and SHA-256, and for every rank tensor which box of which original
-checkpoint tensor it holds. Writing is atomic: into a temporary directory renamed into place
+layout, each file's size and SHA-256, each rank's coordinates (``Parallel.to_json()``), and for
+every rank tensor which box of which original checkpoint tensor it holds and which file stores
+it. Within one (stage, replica) the tensor ranks' files are complete, as a tp save's; a tensor a
+rank of another replica or stage holds identically (the same tensor rank, parameter name and
+boxes: a data-parallel replica's attention, an outer module repeated on a later stage) is stored
+once, by the first rank in global order, and the manifest points the others at that file.
+Writing is atomic: into a temporary directory renamed into place
 (new ``out_dir``), or, over an existing save, new files first and the manifest replaced last,
 each fsynced; a crash at any step leaves the old save or the new one, never a mix that loads.
 
@@ -101,8 +107,9 @@ def _box(b: Box) -> list[list[int]]:
 
 
 def write_sharded(states: Iterable[LoadedState], out_dir: str | os.PathLike, model_dir: str | os.PathLike | None = None) -> Path:
-    """Write the ``LoadedState`` of every rank of one layout to ``out_dir`` (atomically), with
-    the manifest that lets any tp size reload it. Returns ``out_dir``.
+    """Write the ``LoadedState`` of every rank of one layout (every global rank of its
+    ``pp_size x dp_size x tp_size``, in any order) to ``out_dir`` (atomically), with the manifest
+    that lets any layout reload it. Returns ``out_dir``.
 
     ``model_dir`` is the checkpoint the states were loaded from (default: their plan's); its
     ``config.json`` is copied. Disk full or another OS error is a ``LoadError``, and a previous
@@ -130,9 +137,6 @@ def _write(states: Iterator[LoadedState], out: Path, model_dir: StoredPath | Non
         first_plan, model_dir, sections = _write_ranks(states, work, save_id, save_file, written, model_dir)
         config_tmp, config_bytes = _stage_config(work, fresh, save_id, model_dir)
         manifest = _manifest(first_plan, model_dir, config_bytes, sections)
-        tp_size = first_plan.parallel.tp_size
-        if len(sections["ranks"]) != tp_size:
-            raise ConfigError(f"save_sharded: got {len(sections['ranks'])} rank states for tp_size={tp_size}; pass every rank")
         _commit(out, work, fresh, save_id, manifest, sections["files"], config_tmp)
     except BaseException:
         _discard(out, work, fresh, save_id, written)
@@ -148,44 +152,95 @@ def _write_ranks(
     ranks: dict[str, dict[str, object]] = {}  # the manifest's JSON
     originals: dict[str, dict[str, object]] = {}
     files: dict[str, dict[str, object]] = {}
+    stored: dict[str, str] = {}  # a rank tensor's identity (see _shared) -> the file that stores it
     first_plan = None
     for state in states:
         plan = state.plan
-        _check_saveable(state, plan)
+        _check_saveable(state, plan, first_plan)
         first_plan = first_plan or plan
         if model_dir is None:
             model_dir = as_path(plan.model_dir)
-        rank = plan.parallel.rank
-        name = f"model-rank-{rank}-of-{plan.parallel.tp_size}-{save_id}.safetensors"
-        files[name] = _write_rank_file(state, plan, work / name, save_file, written)
+        flat = plan.parallel.flat_rank
+        if str(flat) in ranks:
+            raise ConfigError(f"save_sharded: two rank states are {plan.parallel.describe()} (global rank {flat}); pass each rank once")
+        name = f"model-rank-{flat}-of-{_world(plan)}-{save_id}.safetensors"
         params = {p.spec.name: _param_entry(plan, p, name, originals) for p in plan.params}
-        ranks[str(rank)] = {"file": name, "params": params, "aliases": dict(plan.aliases)}
+        shared = _shared(state, plan, params, stored, name)
+        files[name] = _write_rank_file(state, plan, work / name, save_file, written, shared)
+        ranks[str(flat)] = {"file": name, "parallel": plan.parallel.to_json(), "params": params, "aliases": dict(plan.aliases)}
     if first_plan is None:
         raise ConfigError("save_sharded: no rank states to save")
+    missing = sorted(set(range(_world(first_plan))) - {int(r) for r in ranks})
+    if missing:
+        p0 = first_plan.parallel
+        raise ConfigError(
+            f"save_sharded: got {len(ranks)} rank states for tp_size={p0.tp_size}, pp_size={p0.pp_size}, dp_size={p0.dp_size} "
+            f"({_world(first_plan)} ranks); global ranks {missing[:8]} are missing. Pass every rank (global rank "
+            f"(dp_rank * pp_size + pp_rank) * tp_size + rank)"
+        )
     return first_plan, model_dir, {"files": files, "tensors": originals, "ranks": ranks}
 
 
-def _check_saveable(state: LoadedState, plan: Plan) -> None:
-    """Raise ``ConfigError`` unless ``state`` is a checkpoint-layout load of real tensors."""
+def _world(plan: Plan) -> int:
+    return plan.parallel.tp_size * plan.parallel.pp_size * plan.parallel.dp_size
+
+
+def _layout_key(plan: Plan) -> tuple[object, ...]:
+    """What every rank of one save shares: the model, dtype and layout (all but the rank's coordinates)."""
+    p = plan.parallel
+    return (plan.arch, plan.dtype, p.tp_size, p.pp_size, p.dp_size, p.expert_parallel, p.expert_placement,
+            p.num_redundant_experts, p.pp_partition, _online_method(plan))
+
+
+def _check_saveable(state: LoadedState, plan: Plan, first: Plan | None) -> None:
+    """Raise ``ConfigError`` unless ``state`` is a checkpoint-layout load of real tensors, of the
+    layout of the ``first`` state saved."""
     if getattr(state, "target", "checkpoint") != "checkpoint":
         raise ConfigError("save_sharded saves checkpoint-layout loads only (target='checkpoint')")
     if plan.dummy:
         raise ConfigError("save_sharded saves a checkpoint's tensors; a load_format='dummy' load has none to save")
-    if plan.parallel.pp_size > 1 or plan.parallel.dp_size > 1:
+    if first is not None and _layout_key(plan) != _layout_key(first):
         raise ConfigError(
-            f"save_sharded saves every tensor rank of one whole layout; pp_size={plan.parallel.pp_size}, "
-            f"dp_size={plan.parallel.dp_size} is one pipeline stage or data-parallel replica, and saves per stage are not "
-            f"built yet: save with pp_size=1 and dp_size=1 (a reload at pp_size > 1 reads only its stage's tensors)"
+            f"save_sharded: the rank states are of different models or layouts: {plan.parallel.describe()} is "
+            f"{_layout_key(plan)}, {first.parallel.describe()} is {_layout_key(first)} (arch, dtype, tp, pp and dp sizes, "
+            f"expert parallelism, pipeline partition, online quantization). Pass the ranks of one load"
         )
 
 
-def _write_rank_file(state: LoadedState, plan: Plan, path: Path, save_file: SaveFile, written: list[Path]) -> dict[str, object]:
-    """Write and fsync one rank's tensors (tied aliases once, filled defaults not at all) to ``path``,
-    appending it to ``written``; returns the file's entry of the manifest's ``files``."""
-    rank = plan.parallel.rank
+def _shared(state: LoadedState, plan: Plan, params: dict[str, dict[str, object]], stored: dict[str, str], file: str) -> set[str]:
+    """The parameters of this rank that an earlier rank's file stores already: the same tensor rank,
+    name, original boxes, shape and dtype (a data-parallel replica's attention, an outer module on
+    a later stage; online-quantization scales with their module's weights). Their manifest entry
+    points at that file; the rest are recorded in ``stored`` as held by ``file``."""
+    keys: dict[str, str] = {}
+    modules: dict[str, list[str]] = {}  # module -> the identities of its weights on this rank
+    for p in sorted(plan.params, key=lambda p: p.spec.derived):  # the weights first, then the scales derived from them
+        name, tensor = p.spec.name, state[p.spec.name]
+        origin = sorted(modules.get(p.spec.module, ())) if p.spec.derived else params[name]["sources"]
+        if p.fill is None and origin:
+            keys[name] = json.dumps([plan.parallel.rank, name, origin, list(tensor.shape), str(tensor.dtype)])
+            if not p.spec.derived:
+                modules.setdefault(p.spec.module, []).append(keys[name])
+    shared = set()
+    for name, key in keys.items():
+        if key in stored:
+            params[name]["file"] = stored[key]
+            shared.add(name)
+        else:
+            stored[key] = file
+    return shared
+
+
+def _write_rank_file(
+    state: LoadedState, plan: Plan, path: Path, save_file: SaveFile, written: list[Path], shared: set[str]
+) -> dict[str, object]:
+    """Write and fsync one rank's tensors (tied aliases once, filled defaults and the ``shared``
+    ones an earlier file stores not at all) to ``path``, appending it to ``written``; returns the
+    file's entry of the manifest's ``files``."""
+    rank = plan.parallel.flat_rank
     unique = {id(t): (n, t) for n, t in reversed(list(state.items()))}  # tied aliases stored once
     fills = {p.spec.name for p in plan.params if p.fill is not None}  # defaults: in the manifest only
-    tensors = {n: t.contiguous() for n, t in unique.values() if n not in fills}
+    tensors = {n: t.contiguous() for n, t in unique.values() if n not in fills and n not in shared}
     _step(f"write rank {rank}")
     _save_file(save_file, tensors, path, {"format": "pt", "rank": str(rank)})
     written.append(path)
@@ -234,9 +289,12 @@ def _manifest(
 ) -> dict[str, object]:
     """The manifest's JSON: the source's identity, the parallel layout, then ``sections`` (files, tensors, ranks)."""
     p0 = first_plan.parallel
+    layout: dict[str, object] = {"pp_size": p0.pp_size, "dp_size": p0.dp_size}
+    if p0.pp_partition:
+        layout["pp_partition"] = list(p0.pp_partition)
     return {
         "format": FORMAT,
-        "version": VERSION,
+        "version": 1 if p0.pp_size == p0.dp_size == 1 else VERSION,  # older loaders read a single-stage, single-replica save
         "source": {"model_dir": str(model_dir), "config_sha256": hashlib.sha256(config_bytes).hexdigest()},
         "arch": first_plan.arch,
         "dtype": first_plan.dtype,
@@ -245,6 +303,7 @@ def _manifest(
             "expert_parallel": p0.expert_parallel,
             "expert_placement": p0.expert_placement,
             "num_redundant_experts": p0.num_redundant_experts,
+            **layout,
         },
         "online_quantization": _online_method(first_plan),
         **sections,
