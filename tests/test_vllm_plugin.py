@@ -20,7 +20,6 @@ import torch
 import functional_load as fl
 from functional_load.errors import ConfigError, PlanError
 from functional_load.integrations.vllm import ExtraConfig, MoePlacement, check_supported, fill_model, live_tensors, match_model
-from functional_load.layout.parallel import Parallel
 from functional_load.testing import records
 from functional_load.testing.checkpoints import write_checkpoint
 from harness import plugin_record
@@ -71,13 +70,9 @@ def test_bad_extra_config_is_refused(extra: Any, words: list[str]) -> None:
 
 
 def test_unsupported_settings_are_refused_before_reading() -> None:
-    check_supported(Parallel(2, 1), 1, 1, None)
-    with pytest.raises(ConfigError, match="pipeline parallelism"):
-        check_supported(Parallel(2, 1), 2, 1, None)
-    with pytest.raises(ConfigError, match="data_parallel_size=2"):
-        check_supported(Parallel(2, 1, expert_parallel=True), 1, 2, None)
+    check_supported(None)
     with pytest.raises(ConfigError, match=r"quantization='fp8'.*default load format"):
-        check_supported(Parallel(), 1, 1, "fp8")
+        check_supported("fp8")
 
 
 # ---- matching a plan against a live model -------------------------------------------------------------
@@ -97,6 +92,27 @@ def test_fill_model_fills_every_parameter_in_place(tiny: Path, tp_rank: tuple[in
         assert tensor.data_ptr() == before[name], f"{name} was replaced, not filled in place"
         assert torch.equal(tensor, expected[name.replace(".alias.", ".o_proj.")]), name
     assert stats.bytes_read == plan.bytes_to_read
+
+
+def test_a_pipeline_stage_fills_its_model_and_reports_its_global_rank(tiny: Path, tmp_path: Path) -> None:
+    """Stage 1 of 2 at tp 2 (vLLM's global rank 3): vLLM's model of the stage has only its layers
+    (PPMissingLayer elsewhere); the plan fills them and the report carries every coordinate. A
+    stage-0 plan against the stage-1 model lists what differs instead of loading it."""
+    from functional_load.integrations.vllm_model import write_report
+
+    plan = fl.plan(tiny, tp_size=2, rank=1, pp_size=2, pp_rank=1, dtype="float32")
+    params = _params(plan)
+    assert "lm_head.weight" in params and not any(n.startswith("model.layers.0.") for n in params)
+    stats = fill_model(plan, params, fl.LoadOptions())
+    expected = fl.load(tiny, tp_size=2, rank=1, pp_size=2, pp_rank=1, dtype="float32")
+    assert set(params) == set(expected) and all(torch.equal(params[n], expected[n]) for n in params)
+    write_report(str(tmp_path), plan, stats, 0.1)
+    report = json.loads((tmp_path / "rank3.json").read_text())
+    assert {k: report[k] for k in ("rank", "tp_size", "pp_rank", "pp_size", "dp_rank", "dp_size")} == {
+        "rank": 1, "tp_size": 2, "pp_rank": 1, "pp_size": 2, "dp_rank": 0, "dp_size": 1}
+    assert report["bytes_read"] == plan.bytes_to_read
+    with pytest.raises(PlanError, match=r"model.layers.0.mlp.down_proj.weight: planned float32 .* vLLM.s model has no such"):
+        match_model(fl.plan(tiny, tp_size=2, rank=1, pp_size=2, pp_rank=0, dtype="float32"), _params(plan))
 
 
 def test_buffers_the_checkpoint_fills_are_filled_too(tmp_path: Path) -> None:
@@ -182,5 +198,12 @@ def test_the_recorded_generations_are_current(tmp_path: Path) -> None:
     recorded = records.read(plugin_record.STORE)["generations"]
     assert set(recorded) == set(plugin_record.CONFIGS)
     for config in plugin_record.CONFIGS:
-        generations = recorded[config]["auto"]
-        assert len(generations) == 3 and all(len(g["tokens"]) == 8 and len(g["logprobs"]) == 8 for g in generations), config
+        answer, layout = recorded[config]["auto"], plugin_record.layout_of(config)
+        assert len(answer["digests"]) == layout["tp"] * layout["pp"] * layout["dp"] and all(answer["digests"]), config
+        assert len(answer["engines"]) == layout["dp"], config
+        for engine in answer["engines"]:
+            if layout["pp"] * layout["dp"] > 1:  # vLLM's CPU build loads these layouts but cannot run them
+                assert engine["generations"] is None and engine["error"], config
+            else:
+                generations = engine["generations"]
+                assert len(generations) == 3 and all(len(g["tokens"]) == 8 and len(g["logprobs"]) == 8 for g in generations), config

@@ -38,7 +38,7 @@ class FunctionalLoadLoader(BaseModelLoader):
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         from vllm.config import get_current_vllm_config_or_none
-        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+        from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
         start = time.perf_counter()
         config = self._vllm_config or get_current_vllm_config_or_none()
@@ -55,19 +55,21 @@ class FunctionalLoadLoader(BaseModelLoader):
         options = self.extra.options.replace(  # the one options value, with what vLLM decided
             dtype=model_config.dtype, expert_parallel=ep, expert_placement=placement,
             num_redundant_experts=int(getattr(par.eplb_config, "num_redundant_experts", 0) or 0) if ep else 0,
+            pp_size=par.pipeline_parallel_size, pp_rank=get_pp_group().rank_in_group,
+            dp_size=par.data_parallel_size, dp_rank=par.data_parallel_rank,
         )
         parallel = options.parallel(get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank())
         directory = resolve_model_dir(model_config.model, model_config.revision, options.load_format, options.allow_pickle)
         declared = read_config(directory, checkpoint_format(directory, options.load_format)).get("quantization_config")
         online = model_config.quantization if model_config.quantization and not declared else None
-        check_supported(parallel, par.pipeline_parallel_size, par.data_parallel_size, online)
+        check_supported(online)
         the_plan = plan(directory, tp_size=parallel.tp_size, rank=parallel.rank, options=options)
         planned = time.perf_counter()
         params = live_tensors(model, the_plan)
         stats = dataclasses.replace(fill_model(the_plan, params, options, _placements(model)), plan_seconds=planned - start)
         seconds = time.perf_counter() - start
         write_report(self.extra.report_dir, the_plan, stats, seconds)
-        logger.info("functional_load: rank %d of %d loaded in %.2f s: %s", parallel.rank, parallel.tp_size, seconds, stats.summary())
+        logger.info("functional_load: tensor %s loaded in %.2f s: %s", parallel.describe(), seconds, stats.summary())
 
 
 def _placements(model: nn.Module) -> dict[str, MoePlacement]:

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 from ..errors import ConfigError, PlanError
 from ..io.execute import LoadStats, execute
 from ..io.options import ReadOptions
-from ..layout.parallel import Parallel
 from ..options import LoadOptions
 from ..plan.plan import Plan
 
@@ -40,7 +39,8 @@ class ExtraConfig:
     at the top level, ``{"threads": 8, "verify_hashes": true}``; ``load_format``; ``progress``;
     ``spec``; ``allow_pickle``; ``expert_placement``, which must equal vLLM's own
     ``expert_placement_strategy``: the experts a rank holds are vLLM's decision), and
-    ``report_dir``, where each worker writes ``rank<r>.json`` (bytes read and planned, time)."""
+    ``report_dir``, where each worker writes ``rank<r>.json`` (bytes read and planned, time; ``r`` is
+    vLLM's global rank, ``(dp_rank * pp_size + pp_rank) * tp_size + tp_rank``)."""
 
     options: LoadOptions = LoadOptions()
     expert_placement: str | None = None  # as given (None: vLLM's)
@@ -85,26 +85,14 @@ class MoePlacement:
     local: tuple[int, ...]
 
 
-def check_supported(parallel: Parallel, pp_size: int, dp_size: int, online_quantization: str | None) -> None:
-    """Refuse what this load format does not plan, before any byte is read."""
-    problems = []
-    if pp_size > 1:
-        problems.append(
-            f"pipeline parallelism (pipeline_parallel_size={pp_size}) is not supported by load_format={LOAD_FORMAT!r}; "
-            "use tensor parallelism"
-        )
-    if dp_size > 1 and parallel.expert_parallel:
-        problems.append(
-            f"expert parallelism across data-parallel ranks (data_parallel_size={dp_size}) is not supported by "
-            f"load_format={LOAD_FORMAT!r}: experts would be spread over tp x dp ranks; use data_parallel_size=1"
-        )
+def check_supported(online_quantization: str | None) -> None:
+    """Refuse what this load format does not plan, before any byte is read (every parallel
+    layout vLLM builds is planned: tensor, pipeline, data and expert parallel)."""
     if online_quantization:
-        problems.append(
+        raise ConfigError(
             f"quantization={online_quantization!r} of an unquantized checkpoint happens inside vLLM's own loader; "
             f"load it with vLLM's default load format, or load a checkpoint that is already quantized"
         )
-    if problems:
-        raise ConfigError("; ".join(problems))
 
 
 def match_model(
@@ -190,9 +178,11 @@ def write_report(report_dir: str | None, plan: Plan, stats: LoadStats, seconds: 
         return
     out = Path(report_dir)
     out.mkdir(parents=True, exist_ok=True)
+    par = plan.parallel
     report = {
-        "rank": plan.parallel.rank, "tp_size": plan.parallel.tp_size, "expert_parallel": plan.parallel.expert_parallel,
+        "rank": par.rank, "tp_size": par.tp_size, "expert_parallel": par.expert_parallel, "pp_rank": par.pp_rank,
+        "pp_size": par.pp_size, "dp_rank": par.dp_rank, "dp_size": par.dp_size,
         "bytes_to_read": plan.bytes_to_read, "bytes_read": stats.bytes_read, "bytes_out": stats.bytes_out,
         "tensor_bytes": sum(info.nbytes for info in plan.tensors.values()), "seconds": seconds, "pid": os.getpid(),
     }
-    (out / f"rank{plan.parallel.rank}.json").write_text(json.dumps(report, indent=1))
+    (out / f"rank{par.flat_rank}.json").write_text(json.dumps(report, indent=1))
