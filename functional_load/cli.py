@@ -73,7 +73,8 @@ def _inspect(args: argparse.Namespace) -> None:
 
 def _layout_words(parallel: dict[str, object]) -> str:
     """A save's layout as words: ``tp 2`` (``pp 2 x tp 4``...), and its expert parallelism when it has any."""
-    words = " x ".join(f"{axis} {parallel.get(f'{axis}_size')}" for axis in ("dp", "pp") if (parallel.get(f"{axis}_size") or 1) > 1)
+    sizes = {axis: parallel.get(f"{axis}_size") for axis in ("dp", "pp")}
+    words = " x ".join(f"{axis} {size}" for axis, size in sizes.items() if isinstance(size, int) and size > 1)
     words += (" x " if words else "") + f"tp {parallel.get('tp_size')}"
     if parallel.get("expert_parallel"):
         words += f", expert parallel ({parallel.get('expert_placement')} placement, {parallel.get('num_redundant_experts')} redundant)"

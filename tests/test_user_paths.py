@@ -84,6 +84,13 @@ def test_presharded_save_verifies_clean(saved, tp, capsys):
     assert "verified against the plan: every rank equals the checkpoint slices its plan names, bit for bit" in out
 
 
+def test_inspect_names_a_whole_layouts_axes(llama, tmp_path, capsys):
+    saved = fl.save_sharded(llama, tmp_path / "pp", tp_size=2, pp_size=2)
+    assert cli_main(["inspect", str(saved)]) == 0
+    out = capsys.readouterr().out
+    assert "saved at pp 2 x tp 2" in out and "rank 3:" in out
+
+
 def test_inspect_describes_a_save(saved, capsys):
     assert cli_main(["inspect", str(saved)]) == 0
     out = capsys.readouterr().out
