@@ -8,6 +8,7 @@ written once); ``load_jax`` is in :mod:`.api_jax`. Each takes one :class:`LoadOp
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -244,7 +245,7 @@ def load(
     transform_start = time.perf_counter()
     tensors = apply_target(the_plan, tensors, target)
     transform_seconds = stats.transform_seconds + (time.perf_counter() - transform_start if target != "checkpoint" else 0.0)
-    stats = type(stats)(stats.read_seconds, transform_seconds, stats.bytes_read, stats.bytes_out, stats.prefetched, plan_seconds)
+    stats = dataclasses.replace(stats, transform_seconds=transform_seconds, plan_seconds=plan_seconds)
     state = LoadedState(tensors, the_plan, target, stats)
     return to_device(state, device) if str(device) != "cpu" else state
 

@@ -22,7 +22,7 @@ from .io import ReadOptions, execute, reader_for
 from .layout.placement import Same
 from .options import LoadOptions, resolve_options
 from .plan import Plan
-from .storage import StoredPath
+from .storage import StoredPath, is_local, read_all
 
 if TYPE_CHECKING:
     import torch
@@ -68,14 +68,21 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
-def reference_tensor(info: TensorInfo) -> torch.Tensor:
+def reference_tensor(info: TensorInfo, objects: dict[StoredPath, dict[str, torch.Tensor]] | None = None) -> torch.Tensor:
     """A checkpoint tensor read independently of this package's reader: with the safetensors
     library (a pre-sharded save's original tensors reassembled from its rank files' boxes), or
-    ``torch.load`` for a pickle."""
+    ``torch.load`` for a pickle. A file of another storage (``s3://``) is fetched whole, once
+    per ``objects`` cache, and parsed by the safetensors library."""
     import torch
     from safetensors import safe_open
+    from safetensors.torch import load as load_bytes
 
     location = info.location
+    if isinstance(location, FileSpan) and not is_local(location.file):
+        cache = {} if objects is None else objects
+        if location.file not in cache:
+            cache[location.file] = load_bytes(read_all(location.file, "a file verify reads whole"))
+        return cache[location.file][info.name]
     if isinstance(location, FileSpan):
         with safe_open(str(location.file), framework="pt") as f:
             return f.get_tensor(info.name)
@@ -83,10 +90,10 @@ def reference_tensor(info: TensorInfo) -> torch.Tensor:
         return safe_torch_load(location.file)[info.name]
     if not isinstance(location, SavedBoxes):
         raise TypeError(f"{info.name}: no reference reader for a {type(location).__name__}")
-    dtype = reference_tensor(location.pieces[0].stored).dtype if location.pieces else torch.float32
+    dtype = reference_tensor(location.pieces[0].stored, objects).dtype if location.pieces else torch.float32
     whole = torch.empty(info.shape, dtype=dtype)
     for piece in location.pieces:
-        stored = reference_tensor(piece.stored)[tuple(slice(a, b) for a, b in piece.dst)]
+        stored = reference_tensor(piece.stored, objects)[tuple(slice(a, b) for a, b in piece.dst)]
         lead = len(piece.dst) - len(piece.src)
         stored = stored.reshape(stored.shape[lead:]) if lead else stored
         whole[tuple(slice(a, b) for a, b in piece.src)] = stored.transpose(-1, -2) if piece.transpose else stored
@@ -115,7 +122,8 @@ def verify_ranks(model_dir: Model, *, tp_size: int = 1, options: LoadOptions = L
     # keyed by file and name: a save reloaded at its saved layout reads each rank's own file,
     # whose tensors have the same names in every rank file
     infos = {(info.file, name): info for p in plans for name, info in p.tensors.items()}
-    reference = {key: reference_tensor(info) for key, info in infos.items()}
+    objects: dict[StoredPath, dict[str, torch.Tensor]] = {}  # files of another storage, fetched whole once
+    reference = {key: reference_tensor(info, objects) for key, info in infos.items()}
     covered = {key: torch.zeros(info.shape, dtype=torch.bool) for key, info in infos.items()}
     for the_plan, state in zip(plans, states):
         problems += _rank_problems(the_plan, state, reference, covered)

@@ -1,14 +1,16 @@
-"""Shared fixtures: tiny real checkpoints written by transformers, built once per session."""
+"""Shared fixtures: tiny real checkpoints written by transformers, built once per session, and a
+real S3 server (SeaweedFS), started once per session by the first test that asks for it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from functional_load.testing.checkpoints import write_checkpoint
+from functional_load.testing.seaweed import SeaweedServer, start_seaweed
 
 
 @pytest.fixture(scope="session")
@@ -23,3 +25,13 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
         return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedServer]:
+    """A SeaweedFS server on 127.0.0.1 (ports chosen free), signed requests only; stopped at the end."""
+    server = start_seaweed(tmp_path_factory.mktemp("seaweed"))
+    try:
+        yield server
+    finally:
+        server.stop()

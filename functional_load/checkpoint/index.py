@@ -1,9 +1,11 @@
 """Safetensors headers -> :class:`TensorInfo`, validated, without reading any tensor data.
 
 Headers are read through the file's storage (:mod:`functional_load.storage`; ``os.pread``
-locally) as exactly the header bytes (never mmap, never the safetensors library), so indexing a
-multi-terabyte checkpoint costs a few kilobytes of I/O per shard, and every offset a reader will
-later read has been checked against the file size here, once.
+locally), never mmap, never the safetensors library: the first 64 KiB of the file (the 8-byte
+length and, for most checkpoints, the whole header: one ranged GET from object storage), then
+the rest of a longer header in one more read. Indexing a multi-terabyte checkpoint costs tens of
+kilobytes of I/O per shard, and every offset a reader will later read has been checked against
+the file size here, once.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from .mistral import MISTRAL_NAMES
 from .pickles import index_pickles
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # same cap as the safetensors library
+HEADER_PROBE_BYTES = 64 * 1024  # the first read of a file: one request from object storage for most headers
 MAX_TENSORS = 1_000_000  # a header this large is a denial of service, not a model
 _DIGITS_TO_ZERO = bytes.maketrans(b"123456789", b"000000000")
 _LONG_DIGITS = b"0" * 20  # a run of 20 digits: an integer literal that may not fit in 64 bits
@@ -104,10 +107,10 @@ def _raw_header(path: StoredPath) -> tuple[bytes, str, int, Stamp]:
     storage = storage_for(path)
     stamp = storage.stamp(path)
     file_size = stamp.size
-    prefix = storage.read(path, 0, 8)
+    prefix = storage.read(path, 0, min(file_size, HEADER_PROBE_BYTES))  # the length and, usually, the whole header
     if len(prefix) < 8:
         raise FormatError(f"{path}: expected an 8-byte header length, but the file has {file_size} bytes")
-    n = int.from_bytes(prefix, "little")
+    n = int.from_bytes(prefix[:8], "little")
     if n > MAX_HEADER_BYTES:
         raise FormatError(f"{path}: header length {n} exceeds the cap of {MAX_HEADER_BYTES} bytes")
     if 8 + n > file_size:
@@ -115,7 +118,9 @@ def _raw_header(path: StoredPath) -> tuple[bytes, str, int, Stamp]:
             f"{path}: header length {n} needs {8 + n} bytes but the file has {file_size} "
             "(not a safetensors file, or truncated)"
         )
-    raw = storage.read(path, 8, n)
+    raw = prefix[8 : 8 + n]
+    if len(raw) < n and len(prefix) == HEADER_PROBE_BYTES:  # a longer header: one more read, of the rest
+        raw += storage.read(path, HEADER_PROBE_BYTES, 8 + n - HEADER_PROBE_BYTES)
     if len(raw) != n:  # the file shrank while we read it
         raise IntegrityError(f"{path}: expected {n} header bytes, read {len(raw)}")
     try:

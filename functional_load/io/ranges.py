@@ -5,10 +5,13 @@
 ranged read when its byte runs are one range, or when the range that spans them is at most
 ``max_over_read`` times the bytes needed (then the runs are scattered from it); otherwise one
 read per run. Every read names the file's identity as it was indexed, so an object replaced
-during the load is refused, never mixed with the old one.
+during the load is refused, never mixed with the old one. The ranged reads are counted
+(:attr:`StorageReader.requests`: one request each, before any retry the storage makes).
 """
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 
@@ -25,9 +28,13 @@ class StorageReader:
 
     def __init__(self, tally: Tally, max_over_read: float = 1.0) -> None:
         self.tally = tally
+        self.requests = 0  # ranged reads asked of the storages
         self._max_over_read = max_over_read
+        self._lock = threading.Lock()
 
     def _read(self, span: FileSpan, offset: int, out: memoryview) -> None:
+        with self._lock:
+            self.requests += 1
         self.tally.add(storage_for(span.file).read_into(span.file, span.offset + offset, out, span.stamp))
 
     def read_into(self, info: TensorInfo, box: Box, out: memoryview) -> None:
@@ -51,7 +58,7 @@ class StorageReader:
         """One stretch of a file into several destinations: one ranged read, then scattered."""
         span = span_of(run.info)
         block = memoryview(bytearray(run.nbytes))
-        self.tally.add(storage_for(span.file).read_into(span.file, run.offset, block, span.stamp))
+        self._read(span, run.offset - span.offset, block)
         at = 0
         for view in run.views:
             view[:] = block[at : at + view.nbytes]

@@ -15,12 +15,13 @@ from collections.abc import Callable
 from pathlib import Path, PurePath
 
 from ..errors import ConfigError
-from .base import FileStamp, Kind, ObjectPath, ObjectStamp, Stamp, Storage, StoredPath
+from .base import FileStamp, Kind, ObjectPath, ObjectStamp, Stamp, Storage, StorageError, StoredPath
 from .local import LOCAL, LocalStorage
+from .s3 import S3Path, S3Storage, open_s3
 
 __all__ = [
-    "LOCAL", "FileStamp", "Kind", "LocalStorage", "ObjectPath", "ObjectStamp", "Stamp", "Storage", "StoredPath", "as_path",
-    "is_local", "read_all", "register_scheme", "storage_for",
+    "LOCAL", "FileStamp", "Kind", "LocalStorage", "ObjectPath", "ObjectStamp", "S3Path", "S3Storage", "Stamp", "Storage",
+    "StorageError", "StoredPath", "as_path", "is_local", "read_all", "register_scheme", "storage_for",
 ]
 
 _SCHEMES: dict[str, tuple[type[ObjectPath], Callable[[], Storage]]] = {}
@@ -68,3 +69,6 @@ def read_all(path: StoredPath, what: str, limit: int | None = None) -> bytes:
     if limit is not None and size > limit:
         raise ConfigError(f"{path}: {size} bytes is larger than the {limit}-byte limit for {what}")
     return storage.read(path, 0, size)
+
+
+register_scheme(S3Path, open_s3)  # s3://bucket/prefix: the standard AWS configuration (storage.s3_config)

@@ -11,6 +11,14 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import ClassVar, Literal, Protocol
 
+from ..errors import CheckpointError
+
+
+class StorageError(CheckpointError):
+    """A store refused or failed a request for reasons other than a missing or changed file:
+    denied credentials, an unreachable endpoint, a wrong region, failures past the retries. The
+    message names the URI and the fix."""
+
 
 @dataclass(frozen=True, slots=True)
 class FileStamp:
