@@ -45,7 +45,8 @@ Consume: TypeAlias = "Callable[[ParamPlan, torch.Tensor], dict[str, torch.Tensor
 class LoadStats:
     """What a load did: seconds per stage, bytes read (and prefetched), bytes produced, and the
     ranged reads sent to a storage other than the local file system (``requests``: e.g. the GETs
-    of an ``s3://`` load, before retries)."""
+    of an ``s3://`` load, before retries; ``over_read``: the bytes they fetched that no tensor
+    needed, the gaps the cost model read through; ``bytes_read`` counts them)."""
 
     read_seconds: float
     transform_seconds: float
@@ -54,6 +55,7 @@ class LoadStats:
     prefetched: int = 0
     plan_seconds: float = 0.0
     requests: int = 0
+    over_read: int = 0
 
     def summary(self) -> str:
         def rate(n: int, s: float) -> str:
@@ -63,7 +65,7 @@ class LoadStats:
             f"plan {self.plan_seconds:.3f} s; read {self.bytes_read / 1e6:,.1f} MB in {self.read_seconds:.3f} s "
             f"({rate(self.bytes_read, self.read_seconds)}); transform {self.transform_seconds:.3f} s; "
             f"output {self.bytes_out / 1e6:,.1f} MB" + (f"; prefetched {self.prefetched / 1e6:,.1f} MB" if self.prefetched else "")
-            + (f"; {self.requests:,} ranged requests" if self.requests else "")
+            + (f"; {self.requests:,} ranged requests, {self.over_read / 1e6:,.1f} MB over-read" if self.requests else "")
         )
 
 
@@ -127,12 +129,12 @@ def execute(
         verify_unchanged(plan)
     finally:
         prefetched, bytes_read = _finish(bar, prefetcher, reader, own_reader)
-        requests = reader.remote.requests
+        requests, over_read = reader.remote.requests, reader.remote.over_read
     state = {p.spec.name: out[p.spec.name] for p in plan.params}
     for alias, target in plan.aliases.items():
         state[alias] = state[target]
     out_bytes = sum(t.numel() * t.element_size() for t in {id(t): t for t in state.values()}.values())
-    return state, LoadStats(read_seconds, transform_seconds, bytes_read, out_bytes, prefetched, requests=requests)
+    return state, LoadStats(read_seconds, transform_seconds, bytes_read, out_bytes, prefetched, requests=requests, over_read=over_read)
 
 
 def _progress_bar(plan: Plan, progress: bool | None) -> tqdm | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -13,6 +14,23 @@ MiB = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
+class RequestCost:
+    """What a ranged request to object storage costs: ``latency`` seconds beyond its bytes, which
+    arrive at ``bandwidth`` bytes per second (one request stream). A gap between two runs of a
+    rank's bytes is read through, not skipped by a new request, when reading it costs less than a
+    request: ``gap / bandwidth < latency``. ``chunk_bytes`` is the largest request (host memory
+    holds at most one such buffer per request in flight)."""
+
+    latency: float
+    bandwidth: float
+    chunk_bytes: int
+
+    def reads_through(self, gap: int) -> bool:
+        """Whether a gap of ``gap`` bytes between two runs is cheaper to read than to skip."""
+        return gap / self.bandwidth < self.latency
+
+
+@dataclass(frozen=True, slots=True)
 class ReadOptions:
     """How a load reads bytes. ``strategy="auto"`` picks by measurement (docs/performance.md).
 
@@ -21,8 +39,13 @@ class ReadOptions:
     * ``threads``: parallel readers; ``prefetch`` (``None``: automatic on network filesystems
       when the bytes to read fit in 90 % of available memory) with ``prefetch_threads`` and
       ``prefetch_block_size``;
-    * ``direct``: ``O_DIRECT``; ``max_over_read``: read a row-parallel slice as one span when
-      that reads at most this many times the needed bytes;
+    * ``direct``: ``O_DIRECT``; ``max_over_read``: read a row-parallel slice of a local file as
+      one span when that reads at most this many times the needed bytes;
+    * object storage (any storage but the local file system): ``request_latency`` (seconds a
+      ranged request costs beyond its bytes) and ``link_bandwidth`` (bytes per second of one
+      request stream) choose the runs: a gap shorter than ``request_latency x link_bandwidth``
+      (2 MB by default) is read through (see :class:`RequestCost`); ``request_bytes`` is the
+      largest ranged request, so host memory holds at most ``threads`` such buffers;
     * ``verify_hashes``: check the SHA-256 of every file whose checksum the checkpoint records
       (a pre-sharded save's manifest) before reading from it.
 
@@ -37,6 +60,14 @@ class ReadOptions:
     direct: bool = False
     max_over_read: float = 1.0
     verify_hashes: bool = False  # check each file's SHA-256 where the checkpoint records it (pre-sharded saves)
+    request_latency: float = 0.02  # s; S3 from EC2: tens of ms per small GET (docs/object-storage.md)
+    link_bandwidth: float = 100e6  # bytes/s of one request stream; S3 from EC2: ~100 MB/s per connection
+    request_bytes: int = 16 * MiB  # the largest ranged request (AWS's advice: 8 or 16 MB)
+
+    @property
+    def request_cost(self) -> RequestCost:
+        """The cost model of object-storage reads these options give."""
+        return RequestCost(self.request_latency, self.link_bandwidth, self.request_bytes)
 
     def __post_init__(self) -> None:
         for name in ("direct", "verify_hashes"):
@@ -46,10 +77,15 @@ class ReadOptions:
             raise ConfigError(f"prefetch must be None, True or False, got {self.prefetch!r}")
         if self.strategy not in STRATEGIES:
             raise ConfigError(f"read strategy {self.strategy!r} is unknown; use one of {STRATEGIES}")
-        for name in ("threads", "prefetch_threads", "prefetch_block_size"):
+        for name in ("threads", "prefetch_threads", "prefetch_block_size", "request_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        latency, bandwidth = self.request_latency, self.link_bandwidth
+        if not _finite(latency) or latency < 0:
+            raise ConfigError(f"request_latency must be a finite number of seconds >= 0, got {latency!r}")
+        if not _finite(bandwidth) or bandwidth <= 0:
+            raise ConfigError(f"link_bandwidth must be a finite number of bytes per second > 0, got {bandwidth!r}")
         if not self.max_over_read >= 1.0:
             raise ConfigError(f"max_over_read must be >= 1.0 (1.0 reads exactly the needed bytes), got {self.max_over_read!r}")
         if self.direct and self.strategy not in ("pread", "auto"):
@@ -60,6 +96,10 @@ class ReadOptions:
             raise ConfigError("prefetch=True with strategy='eager' is contradictory: eager already reads every file whole")
         if self.prefetch and self.direct:
             raise ConfigError("prefetch=True warms the page cache, which direct=True (O_DIRECT) bypasses; pick one")
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def filesystem_type(path: str | os.PathLike) -> str:

@@ -58,7 +58,7 @@ class Reader:
         self.options = options
         self.tally = Tally()
         self.files = file_reader(options, self.tally)  # local files
-        self.remote = StorageReader(self.tally, options.max_over_read)  # files of any other storage
+        self.remote = StorageReader(self.tally, options.request_cost)  # files of any other storage
         self._checksums = dict(checksums or {})
         self._verified: set[StoredPath] = set()
         self._pickles: dict[Path, dict[str, torch.Tensor]] = {}

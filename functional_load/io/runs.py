@@ -23,6 +23,7 @@ from ..checkpoint import FileSpan, TensorInfo
 from ..dtypes import itemsize
 from ..layout.segments import Box
 from ..plan.plan import Copy, ParamPlan, Plan
+from .options import RequestCost
 
 
 def byte_runs(shape: tuple[int, ...], box: Box, item: int) -> tuple[np.ndarray, int]:
@@ -70,6 +71,31 @@ def gather_runs(source: np.ndarray, offsets: np.ndarray, run: int, out: memoryvi
     else:
         for i, offset in enumerate((offsets - offsets[0]).tolist()):
             dest[i] = source[offset : offset + run]
+
+
+def merge_runs(offsets: np.ndarray, run: int, cost: RequestCost) -> list[tuple[int, int]]:
+    """The ranged requests that read the runs at ``offsets`` (ascending, ``run`` bytes each) under
+    ``cost``, as index ranges ``[i, j)``: one request of the bytes from ``offsets[i]`` to
+    ``offsets[j - 1] + run``. Neighbouring runs share a request while the gap between them costs
+    less to read than a request (:meth:`~.options.RequestCost.reads_through`) and the request
+    stays within ``cost.chunk_bytes``; a run longer than that is a request of its own (the caller
+    reads it in pieces of ``chunk_bytes``)."""
+    count = len(offsets)
+    if count == 0:
+        return []
+    if run > cost.chunk_bytes:
+        return [(i, i + 1) for i in range(count)]
+    gaps = np.diff(np.asarray(offsets, dtype=np.int64)) - run
+    cheap = np.less(gaps / cost.bandwidth, cost.latency)  # RequestCost.reads_through, vectorized
+    cuts = np.flatnonzero(~cheap) + 1
+    ends = np.asarray(offsets, dtype=np.int64) + run
+    out: list[tuple[int, int]] = []
+    for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), count]):
+        while lo < hi:  # cut a stretch of cheap gaps into requests of at most chunk_bytes
+            j = lo + int(np.searchsorted(ends[lo:hi], int(offsets[lo]) + cost.chunk_bytes, side="right"))
+            out.append((lo, max(j, lo + 1)))
+            lo = max(j, lo + 1)
+    return out
 
 
 MAX_VIEWS = 512  # destinations per preadv call (Linux's IOV_MAX is 1024)
