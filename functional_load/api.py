@@ -22,13 +22,15 @@ from .checkpoint.index import index_checkpoint
 from .checkpoint.sharded import read_manifest, saved_rank, sharded_checkpoint
 from .dtypes import TORCH_TO_SAFETENSORS
 from .errors import ConfigError, LoadError, PlanError
-from .io import execute
+from .io import LoadStats, execute
+from .io.group import fail_group, group_reader
 from .layout.build import Layout, build_layout
 from .layout.parallel import Parallel
 from .model.config import declared_dtype, model_directory, model_dtype, read_config
 from .model.spec import spec_for_config
 from .options import LoadOptions, resolve_options
-from .output.save import write_sharded
+from .output.rank_cache import open_rank_cache
+from .output.save_remote import write_to
 from .output.state import LoadedState, check_device, to_device
 from .paths import JsonObject
 from .plan import Plan, make_plan
@@ -40,6 +42,7 @@ from .transform.targets import apply_target, check_target
 
 if TYPE_CHECKING:
     import torch
+    from torch.distributed import ProcessGroup
 
 Model = str | Path | os.PathLike[str]
 
@@ -215,6 +218,7 @@ def load(
     rank: int = 0,
     device: str | int | torch.device = "cpu",
     target: str = "checkpoint",
+    group: ProcessGroup | None = None,
     options: LoadOptions = LoadOptions(),
     **overrides: object,
 ) -> LoadedState:
@@ -229,19 +233,28 @@ def load(
     ``process_weights_after_loading``). ``device`` ``"cpu"`` or a CUDA device. Returns a
     read-only :class:`LoadedState`. ``load_format="dummy"``: vLLM's dummy values from the config
     alone (``model`` may be a parsed config), drawn on the CPU whatever ``device`` is.
+
+    ``group``: a ``torch.distributed`` process group whose processes load together (e.g. one
+    node's tensor ranks, each calling ``load`` with its own rank and this group at the same
+    point): they fetch the union of their byte ranges from object storage once between them and
+    hand each other their slices over the group (see :mod:`functional_load.io.group`); the stats'
+    ``bytes_read`` and ``requests`` are then what this process fetched for the group.
     """
     opts = resolve_options(options, overrides)
     check_target(target)
     if str(device) != "cpu":
         check_device(device)
     start = time.perf_counter()
-    the_plan = plan(model, tp_size=tp_size, rank=rank, options=opts)
+    cache = open_rank_cache(model, tp_size, rank, opts if group is None else opts.replace(cache_dir=None))
+    try:
+        the_plan = cache.plan(plan)
+    except Exception as exc:
+        if group is not None:  # the others wait for this process's ranges: tell them it failed
+            fail_group(group, exc)
+        raise
     plan_seconds = time.perf_counter() - start
-    tensors, stats = execute(
-        the_plan, opts.read, progress=opts.progress,
-        consume=lambda param, dense: quantize_online(the_plan, param, dense),
-        consumed=lambda param: is_online_weight(the_plan, param),
-    )
+    tensors, stats = _execute(the_plan, opts, group)
+    cache.keep(the_plan, tensors)  # a load from object storage with cache_dir: the rank's tensors kept
     transform_start = time.perf_counter()
     tensors = apply_target(the_plan, tensors, target)
     transform_seconds = stats.transform_seconds + (time.perf_counter() - transform_start if target != "checkpoint" else 0.0)
@@ -250,10 +263,29 @@ def load(
     return to_device(state, device) if str(device) != "cpu" else state
 
 
+def _execute(the_plan: Plan, opts: LoadOptions, group: ProcessGroup | None) -> tuple[dict[str, torch.Tensor], LoadStats]:
+    """Run ``the_plan``; with a ``group``, from the bytes its processes fetched once between them
+    (the seconds of fetching and exchanging them count as read time)."""
+    reader, group_seconds = None, 0.0
+    if group is not None:
+        reader, joined = group_reader(the_plan, group, opts.read)
+        group_seconds = joined.seconds
+    try:
+        tensors, stats = execute(
+            the_plan, opts.read, reader=reader, progress=opts.progress,
+            consume=lambda param, dense: quantize_online(the_plan, param, dense),
+            consumed=lambda param: is_online_weight(the_plan, param),
+        )
+    finally:
+        if reader is not None:
+            reader.close()
+    return tensors, dataclasses.replace(stats, read_seconds=stats.read_seconds + group_seconds)
+
+
 def save_sharded(
     source: Model | Iterable[LoadedState], out_dir: Model, tp_size: int | None = None, *, options: LoadOptions = LoadOptions(),
     **overrides: object,
-) -> Path:
+) -> StoredPath:
     """Save every rank of a layout to ``out_dir`` once, atomically, with a manifest of sizes,
     SHA-256, each rank's coordinates and the boxes each rank holds; ``load(out_dir, ...)`` reads
     it back at that layout (each rank its stored tensors, as they are) or reshards it to another
@@ -277,6 +309,9 @@ def save_sharded(
     each replica is loaded in full, its shared tensors read and not written. A single-stage,
     single-replica save is manifest version 1, as before; a larger one is version 2, which older
     loaders refuse rather than misread. A save quantized while loading reloads at its layout only.
+    ``out_dir`` may be an object-storage prefix (``s3://bucket/prefix``): each rank file is
+    uploaded (multipart past a part's size), the manifest last (see
+    :mod:`functional_load.output.save_remote`).
     """
     opts = resolve_options(options, overrides)
     if isinstance(source, (str, os.PathLike)):
@@ -295,7 +330,7 @@ def save_sharded(
             load(directory, tp_size=tp_size, rank=r, options=local.replace(pp_rank=p, dp_rank=d))
             for d in range(opts.dp_size) for p in range(opts.pp_size) for r in range(tp_size)
         )
-        return write_sharded(states, out_dir, directory)
+        return write_to(states, out_dir, directory)
     if overrides or options != LoadOptions():
         raise ConfigError("save_sharded(states, out_dir): the states are loaded already; options apply to a checkpoint directory")
-    return write_sharded(source, out_dir)
+    return write_to(source, out_dir)

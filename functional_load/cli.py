@@ -43,6 +43,7 @@ def _options(args: argparse.Namespace) -> LoadOptions:
         num_redundant_experts=getattr(args, "redundant_experts", 0), read=read,
         pp_size=getattr(args, "pp_size", 1), pp_rank=getattr(args, "pp_rank", 0), dp_size=getattr(args, "dp_size", 1),
         dp_rank=getattr(args, "dp_rank", 0), pp_layer_partition=getattr(args, "pp_layer_partition", None),
+        cache_dir=getattr(args, "cache_dir", None),
     )
 
 
@@ -157,6 +158,8 @@ def _rank_arguments(p: argparse.ArgumentParser) -> None:
     """The rank and how it is loaded: the parallel axes, dtype, quantization, experts."""
     _layout_arguments(p)
     p.add_argument("--rank", type=int, default=0, help="tensor-parallel rank (default 0)")
+    p.add_argument("--cache-dir", default=None, help="local folder of the rank cache for s3:// models (a restart at the same "
+                   "layout reads local disk; default: none)")
     p.add_argument("--pp-rank", type=int, default=0, help="pipeline stage of this rank (default 0)")
     p.add_argument("--dp-rank", type=int, default=0, help="data-parallel rank (default 0)")
 

@@ -48,7 +48,11 @@ class LoadOptions:
       ``dp_size``/``dp_rank``: the data-parallel replica (fused MoE experts are split or spread
       over the ``dp_size x tp_size`` ranks, everything else is as the tensor-parallel rank's);
     * ``read``: :class:`ReadOptions` (strategy, threads, prefetch, hashes); ``progress``: a
-      progress bar (``None``: only for long loads).
+      progress bar (``None``: only for long loads);
+    * ``cache_dir``: a local folder for the rank cache of loads from object storage (``s3://``): a
+      rank's fetched tensors are kept there as a one-rank pre-sharded save, checked against the
+      objects' identities (size, ETag), and a later load of the same rank at the same layout
+      reads them from local disk (:mod:`functional_load.output.rank_cache`; ``None``: no cache).
     """
 
     dtype: DtypeChoice = None
@@ -68,6 +72,7 @@ class LoadOptions:
     pp_layer_partition: tuple[int, ...] | str | None = None
     read: ReadOptions = ReadOptions()
     progress: bool | None = None
+    cache_dir: str | os.PathLike[str] | None = None
 
     def __post_init__(self) -> None:
         for name in ("allow_pickle", "text_only", "expert_parallel"):
@@ -87,6 +92,8 @@ class LoadOptions:
         redundant = self.num_redundant_experts
         if isinstance(redundant, bool) or not isinstance(redundant, int) or redundant < 0:
             raise ConfigError(f"option num_redundant_experts must be a non-negative integer, got {redundant!r}")
+        if self.cache_dir is not None and (not isinstance(self.cache_dir, (str, os.PathLike)) or "://" in os.fspath(self.cache_dir)):
+            raise ConfigError(f"option cache_dir must be a local folder (a str or os.PathLike, no URI), got {self.cache_dir!r}")
         if self.spec is not None and not isinstance(self.spec, (ArchSpec, str, os.PathLike)):
             raise ConfigError(f"option spec must be an ArchSpec, a spec file path or a spec name, got {type(self.spec).__name__}")
 

@@ -114,7 +114,7 @@ def run_ours(config: str, root: Path) -> list[str]:
     recorded = records.read(STORE)["generations"][config]["auto"]
     tp, pp, dp, ep = layout_of(config).values()
     model, reports = model_dir(config, root), root / f"reports-{config}"
-    saved = fl.save_sharded(model, root / f"saved-{config}", tp_size=tp, dtype="float32") if config == "llama-gqa.tp2" else None
+    saved = Path(fl.save_sharded(model, root / f"saved-{config}", tp_size=tp, dtype="float32")) if config == "llama-gqa.tp2" else None
     results = generate(config, root, "functional_load", reports, saved)
     problems = []
     for fmt in ("functional_load", "saved"):

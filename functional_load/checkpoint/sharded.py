@@ -11,6 +11,9 @@ against it at any layout; :func:`saved_rank` reads a rank's tensors as they are 
 layout. Headers and sizes only; hashes are checked by the reader
 (``ReadOptions(verify_hashes=True)``).
 
+A rank cache (``LoadOptions(cache_dir=...)``) is the same format for one rank: its manifest has a
+``cache`` object (the source objects' identities) and lists only the ranks it holds.
+
 Manifest version 1 is a single-stage, single-replica save (``parallel.tp_size`` ranks, keyed by
 tensor rank); version 2 adds ``parallel.pp_size``/``dp_size`` and keys ranks by vLLM's global
 rank ``(dp_rank * pp_size + pp_rank) * tp_size + rank``. Both are read.
@@ -40,6 +43,14 @@ def world_size(manifest: JsonObject) -> int:
     """The saved layout's number of ranks: ``tp_size x pp_size x dp_size`` (version 1: ``tp_size``)."""
     saved = manifest["parallel"]
     return int(saved["tp_size"]) * int(saved.get("pp_size", 1)) * int(saved.get("dp_size", 1))
+
+
+def stored_ranks(manifest: JsonObject) -> list[int]:
+    """The global ranks the manifest's files hold: every rank of the layout, or a rank cache's
+    own (a manifest with a ``cache`` object: :mod:`functional_load.output.rank_cache`)."""
+    if manifest.get("cache") is not None:
+        return sorted(int(k) for k in manifest["ranks"])
+    return list(range(world_size(manifest)))
 
 
 def rank_layout(manifest: JsonObject, key: str) -> JsonObject:
@@ -86,7 +97,10 @@ def read_manifest(directory: str | os.PathLike[str] | StoredPath) -> JsonDict | 
         if not _is_int(size, 1) or (manifest["version"] == 1 and axis != "tp_size" and size != 1):
             raise FormatError(f"{path}: manifest parallel.{axis} {size!r} is not a positive integer (1 in a version 1 manifest)")
     world = world_size(manifest)
-    for rank in range(world):
+    cached = manifest.get("cache")
+    if cached is not None and (not isinstance(cached, dict) or not all(k.isdigit() and int(k) < world for k in manifest["ranks"])):
+        raise FormatError(f"{path}: a rank cache's manifest whose 'cache' or 'ranks' is malformed; delete that cache folder")
+    for rank in stored_ranks(manifest):
         entry = manifest["ranks"].get(str(rank))
         file = entry.get("file") if isinstance(entry, dict) else None
         if not isinstance(file, str) or file not in manifest["files"] or not isinstance(entry.get("params"), dict):
@@ -245,7 +259,7 @@ def sharded_checkpoint(directory: str | os.PathLike[str] | StoredPath, manifest:
         files, tensors = _rank_tensors(directory, manifest, key)
         return Checkpoint(directory, "sharded", files, tensors, directory / MANIFEST, True, checksums)
     saved_tp, exact = manifest["parallel"]["tp_size"], _saved_key(manifest, parallel)
-    order = sorted(range(world_size(manifest)), key=lambda r: (str(r) != exact, r % saved_tp != parallel.rank % saved_tp, r))
+    order = sorted(stored_ranks(manifest), key=lambda r: (str(r) != exact, r % saved_tp != parallel.rank % saved_tp, r))
     needed = sorted({manifest["ranks"][str(r)]["file"] for r in order})
     verify_sizes(directory, manifest, needed)
     first = manifest["ranks"][str(order[0])]

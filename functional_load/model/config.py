@@ -49,6 +49,9 @@ def read_config(model: str | os.PathLike[str] | StoredPath, fmt: str = "hf") -> 
         return mistral_config(_read_json(params, directory), defaults, str(params))
     if kind(path) != "file":
         hint = " (Mistral's params.json is read only with its consolidated*.safetensors)" if kind(params) == "file" else ""
+        if storage_for(directory).list_files(directory, "model-rank-*-of-*.safetensors"):
+            hint = (" (it holds rank files of a save_sharded but no manifest functional_load.sharded.json: that save was "
+                    "interrupted before its commit and is not a checkpoint; save again)")
         raise ConfigError(f"{path}: no config.json in the model directory; it is needed to know the model's shapes{hint}")
     return _read_json(path, directory)
 

@@ -27,7 +27,7 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -113,7 +113,7 @@ def write_sharded(states: Iterable[LoadedState], out_dir: str | os.PathLike, mod
 
     ``model_dir`` is the checkpoint the states were loaded from (default: their plan's); its
     ``config.json`` is copied. Disk full or another OS error is a ``LoadError``, and a previous
-    save in ``out_dir`` stays loadable.
+    save in ``out_dir`` stays loadable. (An object-storage ``out_dir``: :func:`.save_remote.write_to`.)
     """
     try:
         return _write(iter(states), Path(out_dir), as_path(model_dir) if model_dir is not None else None)
@@ -145,10 +145,12 @@ def _write(states: Iterator[LoadedState], out: Path, model_dir: StoredPath | Non
 
 
 def _write_ranks(
-    states: Iterator[LoadedState], work: Path, save_id: str, save_file: SaveFile, written: list[Path], model_dir: StoredPath | None
+    states: Iterator[LoadedState], work: Path, save_id: str, save_file: SaveFile, written: list[Path], model_dir: StoredPath | None,
+    publish: Callable[[Path], None] | None = None,
 ) -> tuple[Plan, StoredPath | None, dict[str, dict[str, dict[str, object]]]]:
-    """Write each rank's file into ``work`` (appending it to ``written``); returns the first plan, the
-    model directory (default: the plans') and the manifest's ``files``, ``tensors`` and ``ranks``."""
+    """Write each rank's file into ``work`` (appending it to ``written``; then ``publish(file)``, when
+    given: an upload); returns the first plan, the model directory (default: the plans') and the
+    manifest's ``files``, ``tensors`` and ``ranks``."""
     ranks: dict[str, dict[str, object]] = {}  # the manifest's JSON
     originals: dict[str, dict[str, object]] = {}
     files: dict[str, dict[str, object]] = {}
@@ -167,6 +169,8 @@ def _write_ranks(
         params = {p.spec.name: _param_entry(plan, p, name, originals) for p in plan.params}
         shared = _shared(state, plan, params, stored, name)
         files[name] = _write_rank_file(state, plan, work / name, save_file, written, shared)
+        if publish is not None:
+            publish(work / name)
         ranks[str(flat)] = {"file": name, "parallel": plan.parallel.to_json(), "params": params, "aliases": dict(plan.aliases)}
     if first_plan is None:
         raise ConfigError("save_sharded: no rank states to save")

@@ -1,4 +1,5 @@
-"""The storage seam's values: file identities (stamps), object paths and the protocol.
+"""The storage seam's values: file identities (stamps), object paths and the protocol (reads, and
+the two writes a save needs: a whole file, a delete).
 
 A file's identity (its :data:`Stamp`) is fixed when it is indexed and compared again before and
 after reading: a local file by size, mtime, inode and device, an object by size and version
@@ -104,4 +105,14 @@ class Storage(Protocol):
     def read_into(self, file: StoredPath, offset: int, out: memoryview, stamp: Stamp | None) -> int:
         """Fill ``out`` from ``offset``, from the version ``stamp`` names when given (an object
         replaced since is refused); an early end of the file is an ``IntegrityError``."""
+        ...
+
+    def write_file(self, file: StoredPath, data: bytes | Path) -> Stamp:
+        """Create or replace ``file`` with ``data`` (bytes, or the content of a local file), whole
+        or not at all (a reader sees the old file or the new one); returns the new file's identity.
+        Only a save's writer calls it (reading never writes)."""
+        ...
+
+    def delete(self, file: StoredPath) -> None:
+        """Remove ``file``; nothing when it is missing already."""
         ...

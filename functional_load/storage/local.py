@@ -1,7 +1,8 @@
 """Local files (a model directory, a Hugging Face cache snapshot): :class:`LocalStorage`.
 
 The readers of :mod:`functional_load.io.files` add what only a local file has (descriptors kept
-open and advised, ``O_DIRECT``, memory maps, the page cache); this module serves everything else.
+open and advised, ``O_DIRECT``, memory maps, the page cache); this module serves everything else,
+and the two writes of the seam (a whole file, atomically: a temporary name, fsync, rename; a delete).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import glob
 import os
 import stat
+import uuid
 from pathlib import Path
 
 from ..errors import IntegrityError, MissingFileError, SecurityError
@@ -96,6 +98,40 @@ class LocalStorage:
                     raise IntegrityError(f"{file}: ends at byte {offset + got}, {out.nbytes - got} bytes early; it was truncated")
                 got += more
         return got
+
+    def write_file(self, file: StoredPath, data: bytes | Path) -> Stamp:
+        """Written under a temporary name beside ``file``, fsynced, renamed over it and the directory
+        fsynced (as a save's files are): a crash leaves the old file or the new one."""
+        path = _local(file)
+        tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:12]}")
+        try:
+            with open(tmp, "wb") as out:
+                if isinstance(data, Path):
+                    with open(data, "rb") as source:
+                        while block := source.read(16 << 20):
+                            out.write(block)
+                else:
+                    out.write(data)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        fsync_dir(path.parent)
+        return self.stamp(path)
+
+    def delete(self, file: StoredPath) -> None:
+        _local(file).unlink(missing_ok=True)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (a rename, a new file) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 LOCAL = LocalStorage()

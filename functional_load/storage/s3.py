@@ -12,7 +12,9 @@ credentials are the standard AWS configuration (:mod:`.s3_config`); requests are
   a short or failed body is never used. Other failures (a missing bucket or object, denied
   credentials, a bad region) fail at once. Every failure is a
   :class:`~functional_load.errors.LoadError` naming the ``s3://`` URI and the fix.
-* Requests, retries and bytes fetched are counted (:meth:`S3Storage.counts`).
+* Requests, retries, bytes fetched and bytes written are counted (:meth:`S3Storage.counts`).
+* Writes (a save's): a whole object by one PUT or a multipart upload, and deletes
+  (:meth:`S3Storage.write_file`, :meth:`S3Storage.delete`), with the same retries and errors.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from ..errors import ConfigError, IntegrityError, LoadError, MissingFileError, SecurityError
@@ -130,7 +133,7 @@ class S3Storage:
         self._failures = (obstore.exceptions.BaseError, OSError, _ShortBodyError)  # what a request can raise
         self._stores: dict[str, S3Store] = {}
         self._lock = threading.Lock()
-        self.requests = self.retries = self.bytes_fetched = 0
+        self.requests = self.retries = self.bytes_fetched = self.bytes_sent = 0
 
     # -- the Storage protocol
 
@@ -199,12 +202,30 @@ class S3Storage:
         self._add(n)
         return n
 
+    def write_file(self, file: StoredPath, data: bytes | Path) -> Stamp:
+        """One PUT, or a multipart upload (parts of ``upload_part_bytes``, ``upload_concurrency`` in
+        flight) when ``data`` is larger than a part; the object appears whole when it completes. A
+        transient failure sends the whole upload again (a local file is read again from its start)."""
+        uri, store, key = self._locate(file)
+        size = data.stat().st_size if isinstance(data, Path) else len(data)
+        config = self.config
+        result = self._call(uri, "PUT", lambda: self._obstore.put(
+            store, key, data, chunk_size=config.upload_part_bytes, max_concurrency=config.upload_concurrency))
+        with self._lock:
+            self.bytes_sent += size
+        return ObjectStamp(size, result["e_tag"] or "")
+
+    def delete(self, file: StoredPath) -> None:
+        uri, store, key = self._locate(file)
+        self._call(uri, "DELETE", lambda: self._obstore.delete(store, key))
+
     # -- requests
 
     def counts(self) -> dict[str, int]:
-        """Requests sent (retries included), retries, and body bytes used, since this storage opened."""
+        """Requests sent (retries included), retries, body bytes used and bytes written (``sent``:
+        each file once, whatever its retries), since this storage opened."""
         with self._lock:
-            return {"requests": self.requests, "retries": self.retries, "bytes": self.bytes_fetched}
+            return {"requests": self.requests, "retries": self.retries, "bytes": self.bytes_fetched, "sent": self.bytes_sent}
 
     def _add(self, nbytes: int) -> None:
         with self._lock:
@@ -247,9 +268,10 @@ class S3Storage:
         endpoint = self.config.endpoint_url
         said = f"HTTP {failure.status}" + (f" {failure.code}" if failure.code else "") if failure.status else failure.detail
         bucket = uri.removeprefix("s3://").split("/", 1)[0]
+        writing = what in ("PUT", "DELETE")
         if failure.code == "NoSuchBucket":
             return MissingFileError(f"{uri}: bucket {bucket!r} does not exist at {endpoint}; check the bucket name "
-                                    "and the endpoint (AWS_ENDPOINT_URL_S3)")
+                                    "and the endpoint (AWS_ENDPOINT_URL_S3)" + (", or create the bucket" if writing else ""))
         if failure.status == 404:
             return MissingFileError(f"{uri}: no such object at {endpoint} (or no bucket {bucket!r}); check the URI")
         if failure.status == 412:
@@ -257,7 +279,7 @@ class S3Storage:
                                   "re-plan the load once the checkpoint is stable")
         if failure.status in (401, 403):
             return StorageError(f"{uri}: {endpoint} denied {what} ({said}); check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
-                                "(or AWS_PROFILE) and that this identity may read the bucket")
+                                f"(or AWS_PROFILE) and that this identity may {'write to' if writing else 'read'} the bucket")
         if failure.status in (301, 307, 400) and failure.code in ("PermanentRedirect", "AuthorizationHeaderMalformed"):
             return StorageError(f"{uri}: the bucket is in another region ({said}); set AWS_REGION to the bucket's region")
         if failure.transient and failure.status is None:

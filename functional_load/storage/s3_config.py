@@ -37,7 +37,9 @@ class S3Config:
     timeout or a short body), each after an exponential backoff with full jitter: a random wait
     up to ``backoff_seconds * 2**(try - 1)``, at most ``backoff_cap_seconds``. A request fails (and
     is tried again) when its connection takes over ``connect_timeout_seconds``, its response
-    stalls for ``stall_timeout_seconds`` or it takes over ``request_timeout_seconds`` in all."""
+    stalls for ``stall_timeout_seconds`` or it takes over ``request_timeout_seconds`` in all. A
+    write larger than ``upload_part_bytes`` is a multipart upload of parts that size (S3 wants at
+    least 5 MiB but the last), ``upload_concurrency`` parts in flight."""
 
     endpoint: str | None = None
     region: str = DEFAULT_REGION
@@ -50,10 +52,16 @@ class S3Config:
     connect_timeout_seconds: float = 5.0
     stall_timeout_seconds: float = 30.0
     request_timeout_seconds: float = 600.0
+    upload_part_bytes: int = 16 << 20
+    upload_concurrency: int = 8
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_attempts, int) or self.max_attempts < 1:
             raise ConfigError(f"S3 max_attempts must be a positive integer (AWS_MAX_ATTEMPTS), got {self.max_attempts!r}")
+        for name, least in (("upload_part_bytes", 5 << 20), ("upload_concurrency", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ConfigError(f"S3 {name} must be an integer of at least {least} (S3's smallest part is 5 MiB), got {value!r}")
         if self.endpoint is not None and not self.endpoint.startswith(("http://", "https://")):
             raise ConfigError(
                 f"S3 endpoint {self.endpoint!r} needs a scheme: set AWS_ENDPOINT_URL_S3 to e.g. http://127.0.0.1:8333"

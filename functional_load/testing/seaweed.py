@@ -2,10 +2,11 @@
 
 :func:`start_seaweed` runs ``weed server`` with its master, volume, filer and S3 gateway bound to
 127.0.0.1 on ports chosen free (each HTTP port and its gRPC port), its data and logs in a folder
-of the caller's, and one identity in ``-s3.config`` (so requests must be signed: an anonymous
-request gets 403). It returns once the gateway answers and a signed put/get round trip works
-(writes can fail for a few seconds after the gateway first answers). :meth:`SeaweedServer.stop`
-sends SIGTERM (the server takes ~16 s to stop) and kills it after a grace period.
+of the caller's, and an identity in ``-s3.config`` (so requests must be signed: an anonymous
+request gets 403), with a second one that may read but not write (:meth:`SeaweedServer.reader_env`).
+It returns once the gateway answers and a signed put/get round trip works (writes can fail for a
+few seconds after the gateway first answers). :meth:`SeaweedServer.stop` sends SIGTERM (the server
+takes ~16 s to stop) and kills it after a grace period.
 
 Buckets are made and objects put with :meth:`SeaweedServer.put` / :meth:`make_bucket`, signed with
 the server's identity (:mod:`functional_load.storage.sigv4`, the standard library only), so a test
@@ -32,6 +33,7 @@ from ..storage.sigv4 import signed_request
 
 ACCESS_KEY = "functional-load-test"
 SECRET_KEY = "functional-load-test-secret"
+READER_KEY, READER_SECRET = "functional-load-reader", "functional-load-reader-secret"  # may read and list, not write
 REGION = "us-east-1"
 _PORTS = ("master", "volume", "filer", "s3")
 
@@ -79,16 +81,27 @@ class SeaweedServer:
             "AWS_SECRET_ACCESS_KEY": self.secret_key, "AWS_REGION": self.region,
         }
 
+    def reader_env(self) -> dict[str, str]:
+        """As :meth:`env`, for a second identity that may read and list but not write."""
+        return {**self.env(), "AWS_ACCESS_KEY_ID": READER_KEY, "AWS_SECRET_ACCESS_KEY": READER_SECRET}
+
     def request(self, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None) -> tuple[int, bytes]:
-        """One signed request (``path``: ``/bucket[/key]``); the status and the body."""
-        req = signed_request(
-            method, self.endpoint + path, body, headers or {}, self.access_key, self.secret_key, self.region
-        )
-        try:
-            with urllib.request.urlopen(req, timeout=30) as response:
-                return response.status, response.read()
-        except urllib.error.HTTPError as exc:
-            return exc.code, exc.read()
+        """One signed request (``path``: ``/bucket[/key]``); the status and the body. An answer of
+        5xx is asked again for up to 20 s: SeaweedFS says ``InternalError ... please try again``
+        while it grows a new bucket's volumes, which takes seconds on a busy machine."""
+        deadline = time.monotonic() + 20.0
+        while True:
+            req = signed_request(
+                method, self.endpoint + path, body, headers or {}, self.access_key, self.secret_key, self.region
+            )
+            try:
+                with urllib.request.urlopen(req, timeout=30) as response:
+                    return response.status, response.read()
+            except urllib.error.HTTPError as exc:
+                status, answer = exc.code, exc.read()
+            if status < 500 or time.monotonic() > deadline:
+                return status, answer
+            time.sleep(0.5)
 
     def make_bucket(self, bucket: str) -> None:
         if bucket in self.buckets:
@@ -141,7 +154,7 @@ def _command(directory: Path, ports: dict[str, int]) -> list[str]:
     return [
         weed_binary(), f"-logdir={directory / 'logs'}", "server", f"-dir={directory / 'data'}", "-ip=127.0.0.1",
         "-ip.bind=127.0.0.1", "-s3", f"-s3.config={directory / 'ids.json'}", "-master.telemetry=false",
-        "-volume.preStopSeconds=1", "-s3.port.iceberg=0", "-s3.port.lance=0", "-volume.max=16", "-master.volumeSizeLimitMB=64",
+        "-volume.preStopSeconds=1", "-s3.port.iceberg=0", "-s3.port.lance=0", "-volume.max=256", "-master.volumeSizeLimitMB=64",
         f"-filer.localSocket={directory / 'filer.sock'}", f"-s3.localSocket={directory / 's3.sock'}", *flags,
     ]
 
@@ -153,7 +166,8 @@ def start_seaweed(directory: Path, timeout: float = 60.0) -> SeaweedServer:
     (directory / "logs").mkdir(exist_ok=True)
     identity = {"name": "tester", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
                 "actions": ["Admin", "Read", "Write", "List", "Tagging"]}
-    (directory / "ids.json").write_text(json.dumps({"identities": [identity]}))
+    reader = {"name": "reader", "credentials": [{"accessKey": READER_KEY, "secretKey": READER_SECRET}], "actions": ["Read", "List"]}
+    (directory / "ids.json").write_text(json.dumps({"identities": [identity, reader]}))
     names = [n + suffix for n in _PORTS for suffix in ("", ".grpc")]
     ports = dict(zip(names, free_ports(len(names))))
     with open(directory / "weed.out", "wb") as out:
