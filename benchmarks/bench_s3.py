@@ -598,6 +598,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="dense,moe", help="dense,moe (default both)")
     ap.add_argument("--only", help="comma-separated scenario keys (default all)")
     ap.add_argument("--fl-request-latency", type=float, help="fl's ReadOptions.request_latency (default: the library's)")
+    ap.add_argument("--fl-threads", type=int, help="fl's ReadOptions.threads: requests in flight per process (default: the library's)")
     ap.add_argument("--fl-link-bandwidth", type=float, help="fl's ReadOptions.link_bandwidth (default: the library's)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per measured load")
     ap.add_argument("--out", help="write the results as markdown here")
@@ -605,7 +606,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         return worker_main(args.worker)
     runs = args.runs or (1 if args.quick else 3)
-    args.fl_read = {k: v for k, v in (("request_latency", args.fl_request_latency), ("link_bandwidth", args.fl_link_bandwidth)) if v}
+    args.fl_read = {k: v for k, v in (("request_latency", args.fl_request_latency), ("link_bandwidth", args.fl_link_bandwidth),
+                                      ("threads", args.fl_threads)) if v}
 
     import functional_load as fl
 
