@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -33,6 +34,7 @@ from functional_load.testing.checkpoints import write_checkpoint
 from functional_load.testing.parity import env
 
 GENERATE = Path(__file__).with_name("vllm_generate.py")
+S3_CONFIG = "llama-gqa.tp1"  # also run with its weights in S3 (SeaweedFS): the same record
 STORE = records.RECORDS / "vllm-generate.json"
 COMMAND = "python -m harness.plugin_record --refresh"
 SMALL: dict[str, Any] = {"dtype": "float32", "hidden_size": 256, "num_attention_heads": 4, "head_dim": 64, "vocab_size": 256,
@@ -76,22 +78,54 @@ def stale(configs: tuple[str, ...], root: Path) -> list[str]:
     return [c for c in configs if entries.get(c, {}).get("key") != key(c, root)]
 
 
-def generate(config: str, root: Path, formats: str, reports: Path | None = None, saved: Path | None = None) -> dict[str, Any]:
-    """Real vLLM loads and generates with each load format of ``formats`` (one engine each per replica)."""
-    layout = layout_of(config)
-    out = root / f"{config}.json"
-    command = [str(env.ensure(plugin=True)), "-m", "harness.vllm_generate", str(model_dir(config, root)), str(out),
-               "--tp", str(layout["tp"]), "--pp", str(layout["pp"]), "--dp", str(layout["dp"]), "--load-formats", formats]
-    command += ["--expert-parallel"] if layout["ep"] else []
-    command += ["--report-dir", str(reports)] if reports else []
-    command += ["--saved", str(saved)] if saved else []
-    # in the scratch directory (vLLM writes there), with the repository on the path (``harness`` is no installed package)
+def _vllm(command: list[str], config: str, root: Path, env: dict[str, str] | None = None) -> None:
+    """Run a harness module in vLLM's environment, in the scratch directory (vLLM writes there),
+    with the repository on the path (``harness`` is no installed package)."""
     path = os.pathsep.join(p for p in (str(records.ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    done = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=1400, env={**os.environ, "PYTHONPATH": path})
+    done = subprocess.run([str(env_python()), *command], cwd=root, capture_output=True, text=True, timeout=1400,
+                          env={**os.environ, "PYTHONPATH": path, **(env or {})})
     if done.returncode:
         lines = (done.stdout + done.stderr).splitlines()
         why = [line for line in lines if any(w in line for w in ("Error", "error:", "Segfault", "raise ", "assert"))]
         raise RuntimeError(f"vLLM failed for {config}:\n" + "\n".join(why[-40:] + ["..."] + lines[-40:]))
+
+
+def env_python() -> Path:
+    return env.ensure(plugin=True)
+
+
+def run_s3(config: str, root: Path, recorded: dict[str, Any]) -> list[str]:
+    """The load format in real vLLM with the weights in S3 (a SeaweedFS the run starts): vLLM
+    refuses an object-storage model for other load formats, so its model is a local directory
+    with the config files, and ``model_loader_extra_config["weights"]`` the ``s3://`` URI."""
+    from functional_load.testing.seaweed import start_seaweed
+
+    model, configs, out, reports = model_dir(config, root), root / "s3-config", root / "s3.json", root / "reports-s3"
+    configs.mkdir(exist_ok=True)
+    for file in model.glob("*.json"):
+        shutil.copy(file, configs / file.name)
+    with start_seaweed(root / "seaweed") as server:
+        uri = server.upload(model, "models", config)
+        _vllm(["-m", "harness.plugin_s3", str(configs), uri, str(out), "--report-dir", str(reports)], config, root, server.env())
+    result = json.loads(out.read_text())["functional_load"]
+    report = json.loads((reports / "rank0.json").read_text())
+    problems = [f"{config} from {uri}: other weights than vLLM's default loader's"] if result["digests"] != recorded["digests"] else []
+    problems += [f"{config} from {uri}: other tokens or logprobs than the record"] if result["engines"] != recorded["engines"] else []
+    if not report["bytes_read"] == report["bytes_to_read"] == fl.plan(model, dtype="float32").bytes_to_read:
+        problems.append(f"{config} from {uri}: read {report['bytes_read']} bytes: {report}")
+    return problems
+
+
+def generate(config: str, root: Path, formats: str, reports: Path | None = None, saved: Path | None = None) -> dict[str, Any]:
+    """Real vLLM loads and generates with each load format of ``formats`` (one engine each per replica)."""
+    layout = layout_of(config)
+    out = root / f"{config}.json"
+    command = ["-m", "harness.vllm_generate", str(model_dir(config, root)), str(out),
+               "--tp", str(layout["tp"]), "--pp", str(layout["pp"]), "--dp", str(layout["dp"]), "--load-formats", formats]
+    command += ["--expert-parallel"] if layout["ep"] else []
+    command += ["--report-dir", str(reports)] if reports else []
+    command += ["--saved", str(saved)] if saved else []
+    _vllm(command, config, root)
     result: dict[str, Any] = json.loads(out.read_text())
     return result
 
@@ -137,7 +171,7 @@ def run_ours(config: str, root: Path) -> list[str]:
                             f"of the tensors it reads from, of {whole} in the checkpoint")
     if len(pids) != tp * pp * dp:
         problems.append(f"{config}: {tp * pp * dp} ranks ran in {len(pids)} worker processes")
-    return problems
+    return problems + (run_s3(config, root, recorded) if config == S3_CONFIG else [])
 
 
 def main(argv: list[str] | None = None) -> int:

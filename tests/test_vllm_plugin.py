@@ -50,6 +50,9 @@ def test_extra_config_options() -> None:
     assert extra.report_dir == "/tmp/r" and extra.expert_placement is None
     assert ExtraConfig.parse({}) == ExtraConfig() == ExtraConfig.parse(None)
     assert ExtraConfig.parse({"expert_placement": "round_robin"}).expert_placement == "round_robin"
+    assert ExtraConfig.parse({"weights": "s3://models/llama"}).weights == "s3://models/llama"  # vLLM refuses s3:// models
+    with pytest.raises(ConfigError, match=r"\['weights'\] must be a directory or a URI"):
+        ExtraConfig.parse({"weights": ["s3://models/llama"]})
 
 
 @pytest.mark.parametrize(

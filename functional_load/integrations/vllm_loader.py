@@ -30,7 +30,8 @@ class FunctionalLoadLoader(BaseModelLoader):
         self._vllm_config: VllmConfig | None = None
 
     def download_model(self, model_config: ModelConfig) -> None:
-        resolve_model_dir(model_config.model, model_config.revision, self.extra.options.load_format, self.extra.options.allow_pickle)
+        resolve_model_dir(self.extra.weights or model_config.model, model_config.revision, self.extra.options.load_format,
+                          self.extra.options.allow_pickle)
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
         self._vllm_config = vllm_config  # the parallel settings the plan needs
@@ -59,7 +60,8 @@ class FunctionalLoadLoader(BaseModelLoader):
             dp_size=par.data_parallel_size, dp_rank=par.data_parallel_rank,
         )
         parallel = options.parallel(get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank())
-        directory = resolve_model_dir(model_config.model, model_config.revision, options.load_format, options.allow_pickle)
+        directory = resolve_model_dir(self.extra.weights or model_config.model, model_config.revision, options.load_format,
+                                      options.allow_pickle)
         declared = read_config(directory, checkpoint_format(directory, options.load_format)).get("quantization_config")
         online = model_config.quantization if model_config.quantization and not declared else None
         check_supported(online)

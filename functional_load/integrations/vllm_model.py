@@ -39,12 +39,16 @@ class ExtraConfig:
     at the top level, ``{"threads": 8, "verify_hashes": true}``; ``load_format``; ``progress``;
     ``spec``; ``allow_pickle``; ``expert_placement``, which must equal vLLM's own
     ``expert_placement_strategy``: the experts a rank holds are vLLM's decision), and
+    ``weights``, where the weights are when not in vLLM's model directory: an ``s3://`` URI (vLLM
+    0.32 refuses an object-storage model for any load format but its own streamers, so the model
+    is a local directory with the config files and the weights are named here); and
     ``report_dir``, where each worker writes ``rank<r>.json`` (bytes read and planned, time; ``r`` is
     vLLM's global rank, ``(dp_rank * pp_size + pp_rank) * tp_size + tp_rank``)."""
 
     options: LoadOptions = LoadOptions()
     expert_placement: str | None = None  # as given (None: vLLM's)
     report_dir: str | None = None
+    weights: str | None = None  # the checkpoint's directory or URI when not vLLM's model directory
 
     @classmethod
     def parse(cls, extra: object) -> ExtraConfig:
@@ -58,11 +62,11 @@ class ExtraConfig:
             raise ConfigError(f"model_loader_extra_config: {decided} for load_format={LOAD_FORMAT!r} are set by "
                               + ", ".join(_VLLM_DECIDES[k] for k in decided))
         own = {f.name for f in dataclasses.fields(LoadOptions)} - {"read"} - set(_VLLM_DECIDES)
-        unknown = sorted(set(extra) - own - set(_READ_KEYS) - {"read", "report_dir"})
+        unknown = sorted(set(extra) - own - set(_READ_KEYS) - {"read", "report_dir", "weights"})
         if unknown:
             raise ConfigError(
                 f"model_loader_extra_config: unknown key(s) {unknown} for load_format={LOAD_FORMAT!r}; "
-                f"use {sorted(own | {'read', 'report_dir'})} or ReadOptions fields {list(_READ_KEYS)}"
+                f"use {sorted(own | {'read', 'report_dir', 'weights'})} or ReadOptions fields {list(_READ_KEYS)}"
             )
         read = extra.get("read") or {}
         if not isinstance(read, Mapping):
@@ -72,7 +76,10 @@ class ExtraConfig:
         if bad:
             raise ConfigError(f"model_loader_extra_config['read']: unknown ReadOptions field(s) {bad}; use {list(_READ_KEYS)}")
         options = LoadOptions().replace(read=ReadOptions(**read), **{k: extra[k] for k in own - {"expert_placement"} if k in extra})
-        return cls(options, extra.get("expert_placement"), extra.get("report_dir"))
+        weights = extra.get("weights")
+        if weights is not None and not isinstance(weights, str):
+            raise ConfigError(f"model_loader_extra_config['weights'] must be a directory or a URI (s3://bucket/prefix), got {weights!r}")
+        return cls(options, extra.get("expert_placement"), extra.get("report_dir"), weights)
 
 
 @dataclass(frozen=True)

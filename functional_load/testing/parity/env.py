@@ -82,10 +82,11 @@ def _run(args: list[str], log: Path) -> None:
 
 def plugin_installed(root: Path) -> bool:
     """Whether the checkout ``root`` of functional_load is installed (editable) in the vLLM
-    environment, with its ``vllm.general_plugins`` entry point (the ``functional_load`` load format)."""
+    environment, with its ``vllm.general_plugins`` entry point (the ``functional_load`` load format)
+    and obstore (``s3://`` weights)."""
     declared = _declared_plugin(root)
     probe = (
-        "import functional_load, importlib.metadata as m; print(functional_load.__file__); "
+        "import functional_load, obstore, importlib.metadata as m; print(functional_load.__file__); "
         "print([e.value for e in m.entry_points(group='vllm.general_plugins') if e.name == 'functional_load'])"
     )
     done = subprocess.run([str(python()), "-c", probe], capture_output=True, text=True, cwd=venv_dir())
@@ -96,11 +97,15 @@ def plugin_installed(root: Path) -> bool:
     )
 
 
+OBSTORE = "obstore==0.12.*"  # as pyproject.toml's s3 extra
+
+
 def ensure(verbose: bool = True, plugin: bool = False) -> Path:
     """The vLLM environment's python, building the environment first if needed (about 3 minutes
     and 3.4 GB). ``plugin=True``: with this checkout of functional_load installed in it too
-    (editable, without dependencies: vLLM's pins stay as they are; the load format needs no
-    package vLLM lacks). Raises SetupError when an install step fails, or when the plugin is asked
+    (editable, without dependencies: vLLM's pins stay as they are), and obstore for ``s3://``
+    weights (the one package the load format needs that vLLM lacks; it has no dependencies).
+    Raises SetupError when an install step fails, or when the plugin is asked
     for outside a source checkout."""
     if not ready():
         _build(verbose)
@@ -109,7 +114,7 @@ def ensure(verbose: bool = True, plugin: bool = False) -> Path:
         if root is None:
             raise SetupError(f"the functional_load load format runs in the vLLM environment from a source checkout; {ROOT} is none")
         if not plugin_installed(root):
-            _run([str(python()), "-m", "pip", "install", "--quiet", "--no-deps", "-e", str(root)], _log())
+            _run([str(python()), "-m", "pip", "install", "--quiet", "--no-deps", "-e", str(root), OBSTORE], _log())
     return python()
 
 
