@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -65,9 +66,9 @@ def test_a_tiny_latency_keeps_the_exact_runs() -> None:
 
 def test_the_cost_options_are_checked() -> None:
     options = fl.ReadOptions(request_latency=0.005, link_bandwidth=125e6, request_bytes=8 << 20)
-    assert options.request_cost == RequestCost(0.005, 125e6, 8 << 20)
+    assert options.request_cost == RequestCost(0.005, 125e6, 8 << 20, 8)
     for bad in ({"request_latency": -1.0}, {"link_bandwidth": 0}, {"link_bandwidth": float("inf")}, {"request_bytes": 0},
-                {"request_latency": True}):
+                {"request_latency": True}, {"requests_in_flight": 0}):
         with pytest.raises(ConfigError):
             fl.ReadOptions(**bad)
 
@@ -78,11 +79,19 @@ class RecordingStorage(MemoryStorage):
     def __init__(self) -> None:
         super().__init__()
         self.sizes: list[int] = []
+        self.busy = self.most = 0  # requests at once now, and at most
 
     def read_into(self, file: StoredPath, offset: int, out: memoryview, stamp: Stamp | None) -> int:
         with self._lock:
             self.sizes.append(out.nbytes)
-        return super().read_into(file, offset, out, stamp)
+            self.busy += 1
+            self.most = max(self.most, self.busy)
+        try:
+            time.sleep(0.001)  # a request takes a while: the ones in flight overlap
+            return super().read_into(file, offset, out, stamp)
+        finally:
+            with self._lock:
+                self.busy -= 1
 
 
 @pytest.fixture()
@@ -119,6 +128,18 @@ def test_no_request_is_longer_than_a_chunk(recorded, chunk: int) -> None:
         state, stats = execute(plan, fl.ReadOptions(request_bytes=chunk), progress=False)
         assert max(storage.sizes) == chunk and len(storage.sizes) == stats.requests, (arch, tp, max(storage.sizes))
         _same(state, fl.load(local[arch], tp_size=tp, rank=rank, progress=False))
+
+
+@pytest.mark.parametrize(("threads", "in_flight"), [(1, 3), (4, 2), (2, 8)])
+def test_requests_in_flight_are_bounded_over_every_thread(recorded, threads: int, in_flight: int) -> None:
+    """A long tensor's chunks are fetched side by side (one reading thread still has several
+    requests in flight), and never more than ``requests_in_flight`` at once over every thread."""
+    storage, local = recorded
+    storage.most = 0
+    plan = fl.plan("memory://bucket/llama", tp_size=1, rank=0)
+    state, _ = execute(plan, fl.ReadOptions(threads=threads, request_bytes=4096, requests_in_flight=in_flight), progress=False)
+    assert storage.most == in_flight, (threads, in_flight, storage.most)
+    _same(state, fl.load(local["llama"], progress=False))
 
 
 def test_over_read_is_fetched_less_needed(recorded) -> None:

@@ -116,7 +116,9 @@ def execute(
     try:
         out = _allocate(fixed, into or {}, options.threads)
         _read_scales(plan, fixed, out, reader)
-        _run(plan, _units(plan, fixed, out, reader), out, reader, options.threads, bar)
+        # object storage: enough copies side by side to keep ``requests_in_flight`` requests busy
+        threads = options.threads if local else max(options.threads, options.requests_in_flight)
+        _run(plan, _units(plan, fixed, out, reader), out, reader, threads, bar)
         for param in fixed:
             verify_shared(plan, param, out[param.spec.name], reader)
         read_seconds = time.perf_counter() - start

@@ -24,6 +24,7 @@ class RequestCost:
     latency: float
     bandwidth: float
     chunk_bytes: int
+    in_flight: int = 8  # ranged requests at once, over every thread of the load
 
     def reads_through(self, gap: int) -> bool:
         """Whether a gap of ``gap`` bytes between two runs is cheaper to read than to skip."""
@@ -45,7 +46,10 @@ class ReadOptions:
       ranged request costs beyond its bytes) and ``link_bandwidth`` (bytes per second of one
       request stream) choose the runs: a gap shorter than ``request_latency x link_bandwidth``
       (2 MB by default) is read through (see :class:`RequestCost`); ``request_bytes`` is the
-      largest ranged request, so host memory holds at most ``threads`` such buffers;
+      largest ranged request; ``requests_in_flight`` is the number of requests at once over every
+      thread of the load (a load from object storage copies on that many threads at least, and a
+      large tensor's chunks are fetched side by side), so host memory holds at most that many such
+      buffers per reading thread;
     * ``verify_hashes``: check the SHA-256 of every file whose checksum the checkpoint records
       (a pre-sharded save's manifest) before reading from it.
 
@@ -63,11 +67,12 @@ class ReadOptions:
     request_latency: float = 0.02  # s; S3 from EC2: tens of ms per small GET (docs/object-storage.md)
     link_bandwidth: float = 100e6  # bytes/s of one request stream; S3 from EC2: ~100 MB/s per connection
     request_bytes: int = 16 * MiB  # the largest ranged request (AWS's advice: 8 or 16 MB)
+    requests_in_flight: int = 8  # at tp 1 over a 1 Gbit/s link, 8 reach the link's speed and 4 do not (docs/performance.md)
 
     @property
     def request_cost(self) -> RequestCost:
         """The cost model of object-storage reads these options give."""
-        return RequestCost(self.request_latency, self.link_bandwidth, self.request_bytes)
+        return RequestCost(self.request_latency, self.link_bandwidth, self.request_bytes, self.requests_in_flight)
 
     def __post_init__(self) -> None:
         for name in ("direct", "verify_hashes"):
@@ -77,7 +82,7 @@ class ReadOptions:
             raise ConfigError(f"prefetch must be None, True or False, got {self.prefetch!r}")
         if self.strategy not in STRATEGIES:
             raise ConfigError(f"read strategy {self.strategy!r} is unknown; use one of {STRATEGIES}")
-        for name in ("threads", "prefetch_threads", "prefetch_block_size", "request_bytes"):
+        for name in ("threads", "prefetch_threads", "prefetch_block_size", "request_bytes", "requests_in_flight"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")

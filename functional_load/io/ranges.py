@@ -8,8 +8,10 @@ the box's byte runs share a request while the gap between two of them costs less
 a new request, and no request is longer than ``chunk_bytes`` (:func:`~.runs.merge_runs`). A
 request of one run (or a piece of one longer than a chunk) lands straight in the destination;
 a request spanning several runs lands in a buffer of its own size (at most a chunk) and its runs
-are scattered from there. Host memory beyond the destinations is thus at most one chunk per
-request in flight (the load's threads: each reads one box at a time), never a whole object.
+are scattered from there. Every request goes through one pool of ``in_flight`` threads shared by
+the load's threads, in windows of ``in_flight`` requests per box (a large tensor's chunks are
+fetched side by side), so host memory beyond the destinations is at most ``in_flight`` chunks per
+reading thread, never a whole object.
 
 Every read names the file's identity as it was indexed, so an object replaced during the load
 is refused, never mixed with the old one. Counted: the ranged requests (:attr:`requests`: one
@@ -20,6 +22,7 @@ bytes needed, whose difference is :attr:`over_read`.
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -42,6 +45,7 @@ class StorageReader:
         self.needed = 0  # bytes of the boxes and runs read (the fetched bytes are the tally's)
         self.fetched = 0
         self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None  # the requests in flight, started on first use
 
     @property
     def over_read(self) -> int:
@@ -59,11 +63,19 @@ class StorageReader:
         with self._lock:
             self.needed += nbytes
 
-    def _read_pieces(self, span: FileSpan, at: int, out: memoryview) -> None:
-        """``out`` from absolute offset ``at``, in requests of at most a chunk, straight into it."""
+    def _fetch(self, requests: list[tuple[FileSpan, int, memoryview]]) -> None:
+        """The requests, through the pool shared by every thread of the load; the first failure is raised."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.cost.in_flight, thread_name_prefix="functional-load-request")
+            pool = self._pool
+        for future in [pool.submit(self._read, *request) for request in requests]:
+            future.result()
+
+    def _pieces(self, span: FileSpan, at: int, out: memoryview) -> list[tuple[FileSpan, int, memoryview]]:
+        """Requests of at most a chunk filling ``out`` from absolute offset ``at``, straight into it."""
         chunk = self.cost.chunk_bytes
-        for start in range(0, out.nbytes, chunk):
-            self._read(span, at + start, out[start : start + chunk])
+        return [(span, at + start, out[start : start + chunk]) for start in range(0, out.nbytes, chunk)]
 
     def read_into(self, info: TensorInfo, box: Box, out: memoryview) -> None:
         """Fill ``out`` (writable, C-contiguous, the box's size) with ``box`` of ``info``."""
@@ -73,14 +85,24 @@ class StorageReader:
         self._need(out.nbytes)
         span = span_of(info)
         base = span.offset
+        requests: list[tuple[FileSpan, int, memoryview]] = []
+        scatters: list[tuple[np.ndarray, int, int]] = []
         for i, j in merge_runs(offsets, run, self.cost):
             first = base + int(offsets[i])
             if j - i == 1:
-                self._read_pieces(span, first, out[i * run : (i + 1) * run])
-                continue
-            block = np.empty(int(offsets[j - 1]) + run + base - first, dtype=np.uint8)
-            self._read(span, first, block.data)
-            gather_runs(block, offsets[i:j], run, out[i * run : j * run])
+                requests += self._pieces(span, first, out[i * run : (i + 1) * run])
+            else:
+                block = np.empty(int(offsets[j - 1]) + run + base - first, dtype=np.uint8)
+                requests.append((span, first, block.data))
+                scatters.append((block, i, j))
+            if len(requests) >= self.cost.in_flight:  # a window: its buffers are scattered and freed
+                self._fetch(requests)
+                for block, a, b in scatters:
+                    gather_runs(block, offsets[a:b], run, out[a * run : b * run])
+                requests, scatters = [], []
+        self._fetch(requests)
+        for block, a, b in scatters:
+            gather_runs(block, offsets[a:b], run, out[a * run : b * run])
 
     def read_run(self, run: Run) -> None:
         """One stretch of a file into several destinations (abutting), in requests of at most a
@@ -92,15 +114,28 @@ class StorageReader:
         for view in run.views:
             placed.append((at, view))
             at += view.nbytes
-        for start in range(run.offset, stop, chunk):
-            end = min(start + chunk, stop)
-            parts = [(where, view) for where, view in placed if where < end and where + view.nbytes > start]
-            if len(parts) == 1:
-                where, view = parts[0]
-                self._read(span, start, view[start - where : end - where])
-                continue
-            block = memoryview(bytearray(end - start))
-            self._read(span, start, block)
-            for where, view in parts:
-                lo, hi = max(where, start), min(where + view.nbytes, end)
-                view[lo - where : hi - where] = block[lo - start : hi - start]
+        starts = range(run.offset, stop, chunk)
+        for window in range(0, len(starts), self.cost.in_flight):
+            requests, scatters = [], []
+            for start in starts[window : window + self.cost.in_flight]:
+                end = min(start + chunk, stop)
+                parts = [(where, view) for where, view in placed if where < end and where + view.nbytes > start]
+                if len(parts) == 1:
+                    where, view = parts[0]
+                    requests.append((span, start, view[start - where : end - where]))
+                    continue
+                block = memoryview(bytearray(end - start))
+                requests.append((span, start, block))
+                scatters.append((start, end, block, parts))
+            self._fetch(requests)
+            for start, end, block, parts in scatters:
+                for where, view in parts:
+                    lo, hi = max(where, start), min(where + view.nbytes, end)
+                    view[lo - where : hi - where] = block[lo - start : hi - start]
+
+    def close(self) -> None:
+        """Stop the request threads (a later read starts them again)."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)

@@ -180,6 +180,7 @@ class Reader:
 
     def close(self) -> None:
         self.files.close()
+        self.remote.close()
         self._pickles.clear()
 
     def __enter__(self) -> Reader:
