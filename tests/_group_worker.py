@@ -14,13 +14,11 @@ writes the gathered records to ``OUT_DIR/<name>.pt``.
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
-from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
+from _torchrun_worker import gather_layouts
 
 import functional_load as fl
 from functional_load.io import execute
@@ -74,17 +72,7 @@ def load_in_group(layout: dict[str, Any], rank: int) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    layouts, out = json.loads(Path(argv[0]).read_text()), Path(argv[1])
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    for layout in layouts:
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, load_in_group(layout, rank))
-        if rank == 0:
-            torch.save(gathered, out / f"{layout['name']}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    return gather_layouts(argv, load_in_group)
 
 
 if __name__ == "__main__":

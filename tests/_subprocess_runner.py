@@ -78,6 +78,30 @@ def finish(proc: subprocess.Popen[bytes], out: Path, timeout: float) -> dict[str
     return json.loads(out.read_text())
 
 
+def distributed(here: Path, worker: str, path: Path, out_dir: Path, timeout: float, devices: int = 4) -> list[Any]:
+    """Two ``jax.distributed`` processes running ``worker(process_id=, port=, path=)`` from the
+    test module ``here``, ``devices`` CPU devices each; their results, or one failure listing
+    every process's error."""
+    port = free_port()
+    procs = []
+    for pid in (0, 1):
+        out = out_dir / f"p{pid}.json"
+        calls = {"w": (worker, {"process_id": pid, "port": port, "path": str(path)})}
+        procs.append((spawn(here, calls, out, child_env(devices)), out))
+    results, failures = [], []
+    for proc, out in procs:
+        try:
+            got = finish(proc, out, timeout=timeout)["w"]
+        except AssertionError as e:
+            failures.append(str(e))
+            continue
+        if not got["ok"]:
+            failures.append(got["error"])
+        results.append(got["result"])
+    assert not failures, "\n\n".join(failures)
+    return results
+
+
 def _tail(out: Path, chars: int = 6000) -> str:
     log = Path(str(out) + ".log")
     return log.read_text(errors="replace")[-chars:] if log.exists() else "(no output)"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,20 +65,26 @@ def load_own_rank(layout: dict[str, Any], rank: int) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str]) -> int:
+def gather_layouts(argv: list[str], load: Callable[[dict[str, Any], int], Any]) -> int:
+    """For each layout of the JSON file ``argv[0]``: ``load(layout, global rank)`` in every process
+    of the gloo job, gathered into ``argv[1]/<name>.pt`` by rank 0."""
     layouts, out = json.loads(Path(argv[0]).read_text()), Path(argv[1])
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     assert rank == int(os.environ["RANK"]) and world == int(os.environ["WORLD_SIZE"]), "torchrun's RANK / WORLD_SIZE"
     for layout in layouts:
-        assert world == layout["tp"] * layout["pp"] * layout["dp"], f"{layout['name']}: {world} processes"
+        assert world == layout["tp"] * layout.get("pp", 1) * layout.get("dp", 1), f"{layout['name']}: {world} processes"
         gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, load_own_rank(layout, rank))
+        dist.all_gather_object(gathered, load(layout, rank))
         if rank == 0:
             torch.save(gathered, out / f"{layout['name']}.pt")
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def main(argv: list[str]) -> int:
+    return gather_layouts(argv, load_own_rank)
 
 
 if __name__ == "__main__":

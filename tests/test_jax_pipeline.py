@@ -30,7 +30,7 @@ import pytest
 if str(Path(__file__).resolve().parent) not in sys.path:  # --import-mode=importlib
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _subprocess_runner import Cases, child_env, finish, free_port, spawn
+from _subprocess_runner import Cases, distributed
 
 HERE = str(Path(__file__).resolve())
 LAYERS = 4  # two per stage
@@ -490,23 +490,7 @@ def test_two_processes_each_read_only_their_stage(tmp_path):
 
     path = write_checkpoint("llama", tmp_path / "ckpt", kv_heads=2, num_layers=LAYERS)
     spans = {name: end - start for entries in header_spans(str(path)).values() for start, end, name in entries}
-    port = free_port()
-    procs = []
-    for pid in (0, 1):
-        out = tmp_path / f"p{pid}.json"
-        calls = {"w": ("distributed_stage_worker", {"process_id": pid, "port": port, "path": str(path)})}
-        procs.append((spawn(HERE, calls, out, child_env(4)), out))
-    results, failures = [], []
-    for proc, out in procs:
-        try:
-            got = finish(proc, out, timeout=120)["w"]
-        except AssertionError as e:
-            failures.append(str(e))
-            continue
-        if not got["ok"]:
-            failures.append(got["error"])
-        results.append(got["result"])
-    assert not failures, "\n\n".join(failures)
+    results = distributed(HERE, "distributed_stage_worker", path, tmp_path, timeout=120)
 
     layer_bytes = {s: sum(n for name, n in spans.items() if _layer(name) is not None and _layer(name) // 2 == s) for s in (0, 1)}
     outer = sum(n for name, n in spans.items() if _layer(name) is None)

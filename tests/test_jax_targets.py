@@ -21,7 +21,7 @@ import pytest
 if str(Path(__file__).resolve().parent) not in sys.path:  # --import-mode=importlib
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _subprocess_runner import Cases, child_env, finish, free_port, spawn
+from _subprocess_runner import Cases, child_env, distributed
 
 from harness.jaxstacks import replay
 
@@ -549,23 +549,7 @@ def test_two_processes_read_only_their_shards(tiny_checkpoint, tmp_path):
 
     path = tiny_checkpoint("llama", kv_heads=2)
     total = sum(int(np.prod(shape)) * itemsize(dtype) for shape, dtype in list_tensors(path).values())
-    port = free_port()
-    procs = []
-    for pid in (0, 1):
-        out = tmp_path / f"p{pid}.json"
-        calls = {"w": ("distributed_target_worker", {"process_id": pid, "port": port, "path": str(path)})}
-        procs.append((spawn(HERE, calls, out, child_env(4)), out))
-    results, failures = [], []
-    for proc, out in procs:
-        try:
-            got = finish(proc, out, timeout=150)["w"]
-        except AssertionError as e:
-            failures.append(str(e))
-            continue
-        if not got["ok"]:
-            failures.append(got["error"])
-        results.append(got["result"])
-    assert not failures, "\n\n".join(failures)
+    results = distributed(HERE, "distributed_target_worker", path, tmp_path, timeout=150)
     for pid, r in enumerate(results):
         assert r["checked"] > 0
         assert r["read"] <= 1.1 * r["held"], (pid, r)
