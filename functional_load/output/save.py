@@ -37,6 +37,7 @@ from ..errors import ConfigError, LoadError
 from ..layout.segments import Box
 from ..plan.plan import ParamPlan, Plan
 from ..storage import StoredPath, as_path, read_all, storage_for
+from ..storage.local import fsync_dir
 from .state import LoadedState
 
 if TYPE_CHECKING:
@@ -51,14 +52,6 @@ class SaveFile(Protocol):
 
 def _step(name: str) -> None:
     """A named point of the save; tests replace this to fail at every step in turn."""
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def file_sha256(path: Path) -> str:
@@ -332,11 +325,11 @@ def _commit(
     os.replace(tmp, work / MANIFEST)
     if config_tmp != work / "config.json" and config_tmp.exists():
         os.replace(config_tmp, work / "config.json")  # a crash just before: the reload refuses the mix
-    _fsync_dir(work)
+    fsync_dir(work)
     _step("commit")
     if fresh:
         os.replace(work, out)
-        _fsync_dir(out.parent)
+        fsync_dir(out.parent)
     for stale in old_files:
         stale.unlink(missing_ok=True)
     _step("cleanup")
